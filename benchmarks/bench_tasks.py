@@ -1,0 +1,185 @@
+"""End-to-end task throughput and the duplicate storm (issue 4).
+
+One real ``celery worker`` (prefork, 2 processes) on a Redis broker, 3 Redlock
+masters. Contenders, interleaved per round: a plain task, SingletonTask,
+celery-singleton and celery-once, each publishing N jobs with distinct
+arguments; the time from the first publish until every body has run gives
+tasks/s. Then the duplicate storm: one job whose body runs 2 s, published
+again 1,000 times while it runs: how many publishes were accepted, how many
+bodies ran, and (for a run-time lock alone, no dedupe) how fast the worker
+skips the duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import redis
+
+from benchmarks.common import REPO, Goal, Report, arguments, median, num, progress, table, times
+from celery_redlock.testing import RedisServer, start_masters, wait_for
+
+STORM = 1000
+
+
+def _start_worker(env: dict[str, str], logdir: str) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "celery", "-A", "benchmarks.taskbench_app", "worker",
+        "-P", "prefork", "-c", "2", "-l", "warning",
+        "--without-mingle", "--without-gossip", "--without-heartbeat",
+    ]  # fmt: skip
+    log = open(os.path.join(logdir, "worker.log"), "wb")  # noqa: SIM115 - lives with the worker
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(5)
+
+
+def _drain(counter: redis.Redis, want: int, timeout: float) -> float:
+    start = time.perf_counter()
+    wait_for(lambda: int(counter.get("bench:done") or 0) >= want, timeout, interval=0.005)
+    return time.perf_counter() - start
+
+
+def _throughput(task: Any, counter: redis.Redis, n: int, base: int) -> float:
+    counter.set("bench:done", 0)
+    start = time.perf_counter()
+    for i in range(n):
+        task.apply_async((base + i,))
+    _drain(counter, n, timeout=300)
+    return n / (time.perf_counter() - start)
+
+
+def _storm(
+    task: Any, counter: redis.Redis, broker: redis.Redis, arg: int
+) -> tuple[int, int, float]:
+    """Returns (publishes accepted, bodies run, seconds the worker spent on the queue)."""
+    counter.set("bench:done", 0)
+    ids = {task.apply_async((arg, 2.0)).id}
+    rejected = 0
+    for _ in range(STORM):
+        result = task.apply_async((arg, 2.0))
+        if getattr(result, "state", None) == "REJECTED":  # celery-once, graceful
+            rejected += 1
+        else:
+            ids.add(result.id)
+    accepted = len(ids)
+    published = time.perf_counter()
+    wait_for(lambda: broker.llen("celery") == 0, 300, interval=0.01)
+    drained = time.perf_counter() - published
+    # The first body runs 2 s; wait for it (and any accepted duplicate that ran) to finish.
+    wait_for(lambda: int(counter.get("bench:done") or 0) >= 1, 30, interval=0.01)
+    time.sleep(2.5)  # let a wrongly accepted second body finish too, so it is counted
+    return accepted, int(counter.get("bench:done") or 0), drained
+
+
+def main(argv: list[str]) -> int:
+    parser = arguments(__doc__.splitlines()[0], rounds=3, seconds=0)
+    parser.add_argument("--tasks", type=int, default=1000, help="jobs per contender per round")
+    args = parser.parse_args(argv)
+    masters = start_masters(3)
+    broker_server = RedisServer()
+    counter_server = RedisServer()
+    worker = None
+    try:
+        for server in (broker_server, counter_server):
+            if not server.alive:
+                server.start()
+        env = dict(
+            os.environ,
+            BENCH_BROKER=broker_server.url,
+            BENCH_MASTERS=",".join(m.url for m in masters),
+            BENCH_COUNTER=counter_server.url,
+            PYTHONPATH=str(REPO),
+        )
+        os.environ.update({k: env[k] for k in ("BENCH_BROKER", "BENCH_MASTERS", "BENCH_COUNTER")})
+        from benchmarks import taskbench_app as bench_app
+
+        counter = counter_server.client()
+        broker = broker_server.client()
+        logdir = os.path.join(str(counter_server.dir), "worker")
+        os.makedirs(logdir, exist_ok=True)
+        worker = _start_worker(env, logdir)
+        progress("waiting for the worker")
+        counter.set("bench:done", 0)
+        bench_app.plain.delay(0)
+        _drain(counter, 1, timeout=60)
+
+        report = Report(
+            "tasks", "End-to-end tasks/s through a prefork worker (Redis broker, 3 masters)"
+        )
+        rates: dict[str, list[float]] = {name: [] for name in bench_app.TASKS}
+        base = 1_000_000
+        for rnd in range(args.rounds):
+            order = list(bench_app.TASKS.items())
+            if rnd % 2:
+                order.reverse()
+            for name, task in order:
+                progress(f"round {rnd + 1}: {name}")
+                base += args.tasks
+                rates[name].append(_throughput(task, counter, args.tasks, base))
+        plain = median(rates["plain task"])
+        rows = [[name, num(median(r)), times(median(r) / plain)] for name, r in rates.items()]
+        report.add("", *table(["contender", "tasks/s", "vs plain"], rows), "")
+
+        storm_rows = []
+        storm_results: dict[str, tuple[int, int, float]] = {}
+        contenders = [
+            ("SingletonTask (dedupe active)", bench_app.redlocked_active),
+            ("SingletonTask (dedupe queued)", bench_app.redlocked),
+            ("SingletonTask (run-time lock only, skip)", bench_app.redlocked_skip),
+            ("celery-singleton", bench_app.singleton),
+            ("celery-once", bench_app.once),
+        ]
+        for i, (name, task) in enumerate(contenders):
+            progress(f"duplicate storm: {name}")
+            accepted, ran, drained = _storm(task, counter, broker, 42 + i)
+            storm_results[name] = (accepted, ran, drained)
+            skipped = max(0, accepted - ran)
+            rate = skipped / drained if skipped and drained > 0 else float("nan")
+            storm_rows.append([name, str(accepted), str(ran), "-" if rate != rate else num(rate)])
+        report.add(
+            f"Duplicate storm: one job (body 2 s) published again {STORM} times while it runs.",
+            "accepted = distinct jobs the publishes returned. dedupe='queued' (the default)",
+            "coalesces duplicates into one follow-up job queued behind the running one;",
+            "'active' returns the running job itself. Run-time lock only: every publish",
+            "reaches the broker and the worker skips the duplicates (skipped/s).",
+            *table(["contender", "accepted at publish", "bodies run", "skipped/s"], storm_rows),
+            "",
+        )
+        ours = median(rates["SingletonTask"])
+        report.goal(Goal("SingletonTask vs plain task", ours / plain, 0.9))
+        report.goal(
+            Goal("SingletonTask vs celery-singleton", ours / median(rates["celery-singleton"]), 1.0)
+        )
+        report.goal(Goal("SingletonTask vs celery-once", ours / median(rates["celery-once"]), 1.0))
+        # "queued" (the default) lets one follow-up job wait behind the running one, by
+        # contract: 2 bodies. "active" is the celery-singleton semantics the anchors have.
+        ran = storm_results["SingletonTask (dedupe active)"][1]
+        report.goal(Goal("bodies run in the duplicate storm", ran, 1, at_least=False, unit=""))
+        if args.save:
+            report.save()
+        return 0 if report.passed or not args.strict else 1
+    finally:
+        if worker is not None:
+            _stop(worker)
+        for server in (*masters, broker_server, counter_server):
+            server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

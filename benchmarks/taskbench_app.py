@@ -1,0 +1,78 @@
+"""The Celery app the task benchmark's worker runs (configured from environment variables).
+
+BENCH_BROKER: Redis broker URL; BENCH_MASTERS: comma-separated Redlock masters;
+BENCH_COUNTER: Redis URL where every body counts itself (``INCR bench:done``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery_once import QueueOnce
+from celery_singleton import Singleton
+
+from celery_redlock import SingletonTask
+
+app = Celery("taskbench", broker=os.environ["BENCH_BROKER"])
+app.conf.update(
+    redlock_redis_urls=os.environ["BENCH_MASTERS"].split(","),
+    task_ignore_result=True,
+    worker_prefetch_multiplier=8,
+    # celery-singleton keeps its locks in this Redis; celery-once in the one below.
+    singleton_backend_url=os.environ["BENCH_COUNTER"],
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": os.environ["BENCH_COUNTER"], "default_timeout": 300},
+    },
+)
+_counter = redis.Redis.from_url(os.environ["BENCH_COUNTER"])
+
+
+def _done(pause: float) -> None:
+    if pause:
+        time.sleep(pause)
+    _counter.incr("bench:done")
+
+
+@app.task(name="bench.plain")
+def plain(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+@app.task(name="bench.redlock", base=SingletonTask, lock_ttl=30)
+def redlocked(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+@app.task(name="bench.redlock_active", base=SingletonTask, lock_ttl=30, dedupe="active")
+def redlocked_active(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+@app.task(
+    name="bench.redlock_skip", base=SingletonTask, lock_ttl=30, on_contention="skip", dedupe=None
+)
+def redlocked_skip(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+@app.task(name="bench.singleton", base=Singleton, lock_expiry=300)
+def singleton(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+@app.task(name="bench.once", base=QueueOnce, once={"graceful": True})
+def once(i: int, pause: float = 0.0) -> None:
+    _done(pause)
+
+
+TASKS: dict[str, Any] = {
+    "plain task": plain,
+    "SingletonTask": redlocked,
+    "celery-singleton": singleton,
+    "celery-once": once,
+}

@@ -1,0 +1,1 @@
+"""Optional integrations. Each subpackage is imported only by the framework it serves."""

@@ -1,0 +1,149 @@
+"""One round of commands to every master at once, from one thread.
+
+A round writes each master's payload to its socket, then waits for replies on
+all sockets together with one deadline (``select``), so N masters cost one round
+trip, not N, and no thread is started per call. The caller's ``decided``
+predicate ends the wait as soon as the outcome is certain; replies that arrive
+later are read past by the next round on the same link.
+
+Timeline of a round on 3 masters, one of them paused::
+
+    t0  send A, B, C                       (three sendall, no wait between)
+    t1  A answers   -> decided? no
+    t2  B answers   -> decided? yes (2 of 3) -> return; C's slot is abandoned
+    t9  C resumes and answers; the next round on this link discards the reply
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .master import Link, Slot
+
+__all__ = ["Lane", "RoundResult", "run_round"]
+
+
+class Lane:
+    """One link per master, used by one thread at a time (``lock``)."""
+
+    __slots__ = ("links", "lock")
+
+    def __init__(self, links: list[Link]) -> None:
+        self.links = links
+        self.lock = threading.Lock()
+
+
+@dataclass
+class RoundResult:
+    """Replies per master index; ``errors`` says why a master has none."""
+
+    replies: list[list[object] | None]
+    errors: dict[int, str] = field(default_factory=dict)
+    #: masters whose reply we stopped waiting for because the outcome was certain
+    not_waited: set[int] = field(default_factory=set)
+
+
+Decider = Callable[[RoundResult], bool]
+
+
+def run_round(
+    links: Sequence[Link],
+    payloads: Sequence[tuple[bytes, int] | None],
+    *,
+    clock: Callable[[], float],
+    node_timeout: float,
+    reconnect_backoff: float,
+    decided: Decider | None = None,
+    wait_on_down: bool = False,
+) -> RoundResult:
+    """Send ``payloads[i]`` (bytes, number of replies) to ``links[i]``; collect replies.
+
+    A master that cannot be reached, does not answer before the deadline or
+    breaks the connection gets an entry in ``errors`` instead of replies. A
+    master known to be down is sent its payload (to keep the per-link order)
+    but not waited for unless ``wait_on_down``.
+    """
+    n = len(links)
+    result = RoundResult(replies=[None] * n)
+    errors = result.errors
+    slots: dict[int, Slot] = {}
+    for i, payload in enumerate(payloads):
+        if payload is None:
+            continue
+        link = links[i]
+        master = link.master
+        if not link.connected:
+            now = clock()
+            if now < master.connect_after:
+                errors[i] = master.last_error or "not connected"
+                continue
+            try:
+                link.connect(now, clock)
+            except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+                master.connect_after = clock() + reconnect_backoff
+                master.mark_down(f"connect failed: {exc}")
+                errors[i] = master.last_error
+                continue
+        try:
+            slots[i] = link.send(payload[0], payload[1])
+        except (OSError, ConnectionError) as exc:
+            link.close()
+            master.connect_after = clock() + reconnect_backoff
+            master.mark_down(f"send failed: {exc}")
+            errors[i] = master.last_error
+    deadline = clock() + node_timeout
+    pending = dict(slots)
+    while pending:
+        if decided is not None and decided(result):
+            break
+        if not wait_on_down and all(links[i].master.down for i in pending):
+            # Nothing we are still waiting for is known to be up: take what is
+            # already there without blocking, and stop.
+            timeout = 0.0
+        else:
+            timeout = deadline - clock()
+            if timeout <= 0:
+                break
+        by_sock = {}
+        ready: list[int] = []
+        for i in pending:
+            sock = links[i].sock
+            if sock is None:
+                continue
+            if getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
+                ready.append(i)
+            by_sock[sock] = i
+        if not ready:
+            readable, _, _ = select.select(list(by_sock), [], [], timeout)
+            ready = [by_sock[s] for s in readable]
+        for i in ready:
+            link = links[i]
+            try:
+                link.read_available()
+            except (OSError, ConnectionError) as exc:
+                link.close()
+                link.master.mark_down(f"read failed: {exc}")
+                errors[i] = link.master.last_error
+                del pending[i]
+                continue
+            slot = pending[i]
+            if slot.done:
+                result.replies[i] = slot.replies
+                del pending[i]
+        if timeout == 0.0 and not ready:
+            break
+    if pending:
+        timed_out = clock() >= deadline
+        for i, slot in pending.items():
+            slot.abandoned = True
+            master = links[i].master
+            if timed_out or master.down:
+                if not master.down:
+                    master.mark_down(f"no reply within {node_timeout}s")
+                errors[i] = master.last_error or "no reply"
+            else:
+                result.not_waited.add(i)
+    return result

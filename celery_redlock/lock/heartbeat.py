@@ -1,0 +1,297 @@
+"""The renewal engine: one thread per process renews every auto-renewed lease.
+
+Leases are kept in a heap by due time. When the earliest is due, the engine
+takes every lease due within a short window, groups them per :class:`Redlock`,
+and extends each group with one pipelined script call per master, sent to all
+masters at once. So 10,000 leases cost one round per tick, not 10,000 threads.
+
+Loss is an event: a lease that a quorum no longer knows, or that could not be
+renewed before its validity ended, is marked lost (``held`` turns false) and
+its ``on_lost`` callbacks run on a separate dispatcher thread, so a slow or
+failing callback never delays renewal of the others.
+
+Fork safety (Celery prefork): the child starts with no engine and no leases of
+its own; ``os.register_at_fork`` drops the parent's engine state in the child,
+and the child's engine starts lazily on its first auto-renewed lease. The
+parent's engine thread keeps running in the parent, undisturbed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import heapq
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .lease import HELD
+
+if TYPE_CHECKING:
+    from .lease import Lease, LostCallback
+    from .redlock import Redlock
+
+__all__ = ["Heartbeat", "dispatch_lost", "engine", "forget"]
+
+logger = logging.getLogger("celery_redlock.heartbeat")
+
+#: Leases due within this share of their renew interval are renewed in the same tick.
+COALESCE = 0.25
+#: Seconds interpreter exit may spend releasing leases still held.
+EXIT_BUDGET = 2.0
+
+
+class Heartbeat:
+    """Renews every auto-renewed lease of this process on one daemon thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition(threading.Lock())
+        self._active: dict[int, Lease] = {}
+        #: leases no longer renewed (max_hold reached), to mark lost at their deadline
+        self._ending: dict[int, str] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._pid = os.getpid()
+        #: ticks run and leases renewed, for tests and benchmarks
+        self.ticks = 0
+        self.renewals = 0
+        self.last_tick_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def add(self, lease: Lease) -> None:
+        """Start renewing ``lease`` every ``lease.renew_every`` seconds."""
+        due = self._clock() + lease.renew_every
+        with self._cond:
+            self._active[id(lease)] = lease
+            earliest = not self._heap or due < self._heap[0][0]
+            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="redlock-heartbeat", daemon=True
+                )
+                self._thread.start()
+            elif earliest:
+                self._cond.notify()
+
+    def remove(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (its heap entry is dropped when it comes up)."""
+        with self._cond:
+            self._active.pop(id(lease), None)
+            self._ending.pop(id(lease), None)
+
+    def leases(self) -> list[Lease]:
+        with self._cond:
+            return list(self._active.values())
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _take_due(self) -> list[Lease] | None:
+        """Block until leases are due; return them (None when stopped)."""
+        with self._cond:
+            while not self._stopped:
+                heap = self._heap
+                while heap and self._active.get(id(heap[0][2])) is not heap[0][2]:
+                    heapq.heappop(heap)
+                if not heap:
+                    self._cond.wait()
+                    continue
+                now = self._clock()
+                wait = heap[0][0] - now
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                due: list[Lease] = []
+                while heap:
+                    when, _, lease = heap[0]
+                    if when > now + COALESCE * lease.renew_every:
+                        break
+                    heapq.heappop(heap)
+                    if self._active.get(id(lease)) is lease:
+                        due.append(lease)
+                if due:
+                    return due
+            return None
+
+    def _schedule(self, lease: Lease, due: float) -> None:
+        with self._cond:
+            if self._active.get(id(lease)) is lease:
+                heapq.heappush(self._heap, (due, next(self._seq), lease))
+
+    def _run(self) -> None:
+        while True:
+            due = self._take_due()
+            if due is None:
+                return
+            started = self._clock()
+            try:
+                self._tick(due)
+            except Exception:
+                logger.exception("renewal tick failed; retrying its leases shortly")
+                for lease in due:
+                    self._schedule(lease, self._clock() + 0.05)
+            self.ticks += 1
+            self.last_tick_seconds = self._clock() - started
+
+    def _tick(self, due: Sequence[Lease]) -> None:
+        groups: dict[int, tuple[Redlock, list[Lease]]] = {}
+        for lease in due:
+            groups.setdefault(id(lease.redlock), (lease.redlock, []))[1].append(lease)
+        for redlock, leases in groups.values():
+            now = self._clock()
+            renew: list[Lease] = []
+            ttls: list[float] = []
+            for lease in leases:
+                if lease.state != HELD:
+                    self.remove(lease)
+                    continue
+                ending = self._ending.get(id(lease))
+                if ending is not None:
+                    if now >= lease.deadline:
+                        self.remove(lease)
+                        lease._lose(ending)
+                    else:
+                        self._schedule(lease, lease.deadline)
+                    continue
+                ttl = lease.ttl
+                if lease.max_hold is not None:
+                    left = lease.acquired_at + lease.max_hold - now
+                    if left < ttl:
+                        ttl = left
+                    if ttl <= redlock.node_timeout:
+                        # max_hold reached: stop renewing; the lease expires on its own.
+                        self._expire_at_deadline(lease, "max_hold reached")
+                        continue
+                renew.append(lease)
+                ttls.append(ttl)
+            if not renew:
+                continue
+            try:
+                outcomes = redlock._renew_many(renew, ttls)
+            except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
+                logger.warning("renewal round failed: %s", exc)
+                outcomes = [f"renewal round failed: {exc}"] * len(renew)
+            now = self._clock()
+            for lease, outcome in zip(renew, outcomes, strict=True):
+                if lease.state != HELD:
+                    self.remove(lease)
+                elif outcome == "ok":
+                    self.renewals += 1
+                    self._schedule(lease, now + lease.renew_every)
+                elif outcome == "gone":
+                    self.remove(lease)
+                    lease._lose("a quorum of masters no longer knows this holder")
+                else:
+                    self._retry(lease, now, outcome)
+
+    def _retry(self, lease: Lease, now: float, error: str) -> None:
+        remaining = lease.deadline - now
+        if remaining <= 0:
+            self.remove(lease)
+            lease._lose(f"could not renew before its validity ended: {error}")
+            return
+        logger.info("renewal of %r failed (%s); retrying, %.3fs left", lease.key, error, remaining)
+        retry_in = max(0.01, min(lease.renew_every / 2, remaining / 3))
+        self._schedule(lease, min(now + retry_in, lease.deadline))
+
+    def _expire_at_deadline(self, lease: Lease, reason: str) -> None:
+        # No more renewals: the lease is marked lost when its validity ends, from this
+        # thread's heap (a timer thread per lease would defeat one engine per process).
+        with self._cond:
+            self._ending[id(lease)] = reason
+        self._schedule(lease, lease.deadline)
+
+    def release_all(self, budget: float = EXIT_BUDGET) -> None:
+        """Release every lease still held, within ``budget`` seconds (at exit)."""
+        end = self._clock() + budget
+        for lease in self.leases():
+            if self._clock() >= end:
+                logger.warning("exit: ran out of time releasing leases; the rest expire")
+                return
+            try:
+                lease.release()
+            except Exception:
+                logger.debug("exit: could not release %r", lease.key, exc_info=True)
+
+
+class _Dispatcher:
+    """Runs lost-lease callbacks on their own thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Lease, list[LostCallback]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name="redlock-lost-callbacks", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, lease: Lease, callbacks: list[LostCallback]) -> None:
+        self._queue.put((lease, callbacks))
+
+    def _run(self) -> None:
+        while True:
+            lease, callbacks = self._queue.get()
+            for callback in callbacks:
+                try:
+                    callback(lease)
+                except Exception:
+                    logger.exception("on_lost callback %r failed for %r", callback, lease.key)
+
+
+_engine: Heartbeat | None = None
+_dispatcher: _Dispatcher | None = None
+_lock = threading.Lock()
+
+
+def engine() -> Heartbeat:
+    """This process's renewal engine, created on first use."""
+    global _engine
+    if _engine is None or _engine._pid != os.getpid():
+        with _lock:
+            if _engine is None or _engine._pid != os.getpid():
+                _engine = Heartbeat()
+    return _engine
+
+
+def forget(lease: Lease) -> None:
+    """Stop renewing ``lease`` (called by release before it deletes the keys)."""
+    if _engine is not None and lease.auto_renew:
+        _engine.remove(lease)
+
+
+def dispatch_lost(lease: Lease, callbacks: list[LostCallback]) -> None:
+    global _dispatcher
+    if not callbacks:
+        return
+    if _dispatcher is None:
+        with _lock:
+            if _dispatcher is None:
+                _dispatcher = _Dispatcher()
+    _dispatcher.put(lease, callbacks)
+
+
+def _after_fork_in_child() -> None:
+    global _engine, _dispatcher, _lock
+    _engine = None
+    _dispatcher = None
+    _lock = threading.Lock()
+
+
+def _at_exit() -> None:
+    if _engine is not None and _engine._pid == os.getpid():
+        _engine.release_all()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)

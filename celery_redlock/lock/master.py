@@ -1,0 +1,409 @@
+"""Masters and the links (connections) we keep to them.
+
+A :class:`Master` is one independent Redis master as the user described it; it
+knows how to open a connection with our timeouts, which ``run_id`` it had when
+we last connected, and whether it currently looks down. A :class:`Link` is one
+connection to one master, owned by one lane of a :class:`~.redlock.Redlock`:
+commands written on a link are executed by Redis in that order, which is what
+keeps a late ``SET NX`` from landing after its own release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..exceptions import ImproperlyConfigured
+from .resp import INCOMPLETE, ReplyError, RespReader, pack
+from .scripts import ALL_SCRIPTS
+
+__all__ = ["Link", "Master", "MasterSpec", "describe_masters", "make_master"]
+
+logger = logging.getLogger("celery_redlock.lock")
+
+MasterSpec = str | Mapping[str, Any] | redis.Redis
+
+#: A link with more unanswered replies than this is wedged: drop it and reconnect.
+MAX_OUTSTANDING = 64
+
+_ALLOWED_SCHEMES = ("redis", "rediss", "unix")
+_DROPPED_KWARGS = (
+    "retry_on_error",
+    "decode_responses",
+    "maint_notifications_config",
+    "maint_notifications_pool_handler",
+    "oss_cluster_maint_notifications_handler",
+    "orig_host_address",
+    "orig_socket_timeout",
+    "orig_socket_connect_timeout",
+)
+
+#: run_id per master address, shared by every Redlock in this process (and inherited
+#: by forked children), so a fresh client object still notices a restart that an
+#: earlier one saw the other side of.
+_known_run_ids: dict[str, str] = {}
+_known_lock = threading.Lock()
+
+
+def _no_setinfo_kwargs() -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Connection arguments that stop redis-py from sending ``CLIENT SETINFO`` on connect.
+
+    redis-py (>= 5) sends ``CLIENT SETINFO LIB-NAME`` and ``LIB-VER`` on every new
+    connection, each a round trip of its own read timeout, before our handshake: on a slow
+    master a connect cost three node timeouts instead of one. Returns the arguments to set
+    and those to drop (``lib_name``/``lib_version`` warn on redis-py 8, where
+    ``driver_info=None`` is the way).
+    """
+    params = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+    if "driver_info" in params:
+        return {"driver_info": None}, ("lib_name", "lib_version")
+    if "lib_name" in params:  # pragma: no cover - redis-py 5-7
+        return {"lib_name": None, "lib_version": None}, ()
+    return {}, ()  # pragma: no cover - redis-py < 5 sends no SETINFO
+
+
+_NO_SETINFO = _no_setinfo_kwargs()
+
+
+def _after_fork_in_child() -> None:
+    # A parent thread (the heartbeat, connecting) may hold the lock at fork time; the
+    # child has no such thread and would wait forever on its first connect.
+    global _known_lock
+    _known_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _describe_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    host = parts.hostname or "localhost"
+    port = parts.port or 6379
+    path = parts.path if parts.path not in ("", "/") else "/0"
+    return f"{parts.scheme}://{host}:{port}{path}"
+
+
+def _describe_kwargs(kwargs: Mapping[str, Any]) -> str:
+    if kwargs.get("unix_socket_path") or kwargs.get("path"):
+        return f"unix://{kwargs.get('unix_socket_path') or kwargs.get('path')}"
+    scheme = "rediss" if kwargs.get("ssl") or "ssl_keyfile" in kwargs else "redis"
+    host = kwargs.get("host", "localhost")
+    port = kwargs.get("port", 6379)
+    return f"{scheme}://{host}:{port}/{kwargs.get('db', 0)}"
+
+
+class Master:
+    """One independent Redis master: how to connect, and what we know of it."""
+
+    def __init__(
+        self,
+        name: str,
+        connection_class: type[Any],
+        connection_kwargs: Mapping[str, Any],
+        node_timeout: float,
+    ) -> None:
+        self.name = name
+        self._connection_class = connection_class
+        self._connection_kwargs = dict(connection_kwargs)
+        self._connection_kwargs.update(
+            socket_timeout=node_timeout,
+            socket_connect_timeout=node_timeout,
+            # redis-py retries failed commands by default (seconds per call on a dead
+            # master); every call here is bounded by node_timeout, once.
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            protocol=2,
+        )
+        # Our own reader speaks RESP2; redis-py 8's maintenance notifications need
+        # RESP3 and would make every connect fail with protocol 2.
+        for name in (*_DROPPED_KWARGS, *_NO_SETINFO[1]):
+            self._connection_kwargs.pop(name, None)
+        self._connection_kwargs.update(_NO_SETINFO[0])
+        self.node_timeout = node_timeout
+        #: monotonic time until which we do not try to connect again after a failure
+        self.connect_after = 0.0
+        #: set while the master failed to answer a round in time; rounds do not wait on it
+        self.down = False
+        self.last_error = ""
+        #: monotonic time we saw its run_id change (a restart), or None
+        self.restarted_at: float | None = None
+        self.run_id: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<Master {self.name}>"
+
+    def new_connection(self) -> Any:
+        return self._connection_class(**self._connection_kwargs)
+
+    def client(self) -> redis.Redis:
+        """A plain redis-py client with our timeouts, for operator tools (not the hot path)."""
+        kwargs = dict(self._connection_kwargs)
+        pool = redis.ConnectionPool(
+            connection_class=self._connection_class, max_connections=4, **kwargs
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def note_run_id(self, run_id: str, now: float) -> None:
+        """Record the run_id seen on a fresh connection; a change means a restart."""
+        with _known_lock:
+            previous = self.run_id or _known_run_ids.get(self.name)
+            _known_run_ids[self.name] = run_id
+        self.run_id = run_id
+        if previous is not None and previous != run_id:
+            self.restarted_at = now
+            logger.warning(
+                "master %s restarted (run_id %s -> %s): keeping it out of the quorum "
+                "for the longest lock TTL in use",
+                self.name,
+                previous[:8],
+                run_id[:8],
+            )
+
+    def mark_down(self, error: str) -> None:
+        if not self.down:
+            logger.warning("master %s is not answering: %s", self.name, error)
+        self.down = True
+        self.last_error = error
+
+    def mark_up(self) -> None:
+        if self.down:
+            logger.info("master %s answers again", self.name)
+        self.down = False
+        self.last_error = ""
+
+
+def make_master(spec: MasterSpec, node_timeout: float) -> Master:
+    """Build a :class:`Master` from a URL, client kwargs, client, or Sentinel spec."""
+    if isinstance(spec, str):
+        scheme = urlsplit(spec).scheme
+        if scheme not in _ALLOWED_SCHEMES:
+            raise ImproperlyConfigured(
+                f"master URL {_describe_url(spec)!r} has scheme {scheme!r}; "
+                f"accepted schemes: {', '.join(_ALLOWED_SCHEMES)}"
+            )
+        pool = redis.ConnectionPool.from_url(spec)
+        return Master(
+            _describe_url(spec), pool.connection_class, pool.connection_kwargs, node_timeout
+        )
+    if isinstance(spec, redis.Redis):
+        pool = spec.connection_pool
+        name = _describe_pool(pool)
+        return Master(name, pool.connection_class, pool.connection_kwargs, node_timeout)
+    if isinstance(spec, Mapping):
+        if "sentinels" in spec:
+            return _sentinel_master(spec, node_timeout)
+        try:
+            client = redis.Redis(**spec)
+        except TypeError as exc:
+            raise ImproperlyConfigured(
+                f"master {_describe_kwargs(spec)!r}: not valid redis.Redis arguments: {exc}"
+            ) from None
+        pool = client.connection_pool
+        return Master(
+            _describe_kwargs(spec), pool.connection_class, pool.connection_kwargs, node_timeout
+        )
+    raise ImproperlyConfigured(
+        f"a master must be a redis://, rediss:// or unix:// URL, a dict of redis.Redis "
+        f"arguments, a redis.Redis client or a Sentinel spec dict; got {type(spec).__name__}"
+    )
+
+
+def _describe_pool(pool: Any) -> str:
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"sentinel://{service}"
+    return _describe_kwargs(pool.connection_kwargs)
+
+
+def _sentinel_master(spec: Mapping[str, Any], node_timeout: float) -> Master:
+    from redis.sentinel import Sentinel
+
+    kwargs = dict(spec)
+    sentinels = [tuple(s) for s in kwargs.pop("sentinels")]
+    service = kwargs.pop("service_name", None)
+    if not service or not isinstance(service, str):
+        raise ImproperlyConfigured(
+            "a Sentinel master spec needs 'service_name' (a str) beside 'sentinels'"
+        )
+    sentinel_kwargs = dict(kwargs.pop("sentinel_kwargs", None) or {})
+    sentinel_kwargs.setdefault("socket_timeout", node_timeout)
+    sentinel_kwargs.setdefault("socket_connect_timeout", node_timeout)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(service, **kwargs)  # type: ignore[no-untyped-call]
+    pool = client.connection_pool
+    hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
+    return Master(
+        f"sentinel://{hosts}/{service}", pool.connection_class, pool.connection_kwargs, node_timeout
+    )
+
+
+def describe_masters(masters: Sequence[Master]) -> list[str]:
+    return [m.name for m in masters]
+
+
+class Slot:
+    """The replies one round expects from one link, filled as they arrive."""
+
+    __slots__ = ("abandoned", "expected", "replies")
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.replies: list[object] = []
+        self.abandoned = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.replies) >= self.expected
+
+
+class Link:
+    """One connection to one master, used by one thread at a time.
+
+    Replies are matched to requests in order (``outstanding``), so a round that
+    gave up on a slow master leaves its slot behind and a later round reads past
+    the late replies instead of reconnecting: the connection, and with it the
+    order of our commands on that master, survives a slow reply.
+    """
+
+    __slots__ = ("_conn", "master", "outstanding", "pid", "reader", "sock")
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        self._conn: Any = None
+        self.sock: socket.socket | None = None
+        self.reader = RespReader()
+        self.outstanding: deque[Slot] = deque()
+        self.pid = os.getpid()
+
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None
+
+    def connect(self, now: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """Open the connection, read the master's run_id and load our scripts.
+
+        Raises ``OSError`` or a redis error on failure (the caller records it).
+        """
+        master = self.master
+        conn = master.new_connection()
+        try:
+            conn.connect()
+            sock = conn._sock
+            if sock is None:  # pragma: no cover - redis-py contract
+                raise ConnectionError("redis-py returned no socket")
+            self._conn, self.sock = conn, sock
+            self.reader.clear()
+            self.outstanding.clear()
+            commands: list[Sequence[str]] = [("INFO", "server")]
+            commands += [("SCRIPT", "LOAD", s.source) for s in ALL_SCRIPTS]
+            slot = self.send(pack(*commands), len(commands))
+            deadline = clock() + master.node_timeout
+            while not slot.done:
+                remaining = deadline - clock()
+                if remaining <= 0 or not self.wait_readable(remaining):
+                    raise TimeoutError(f"no handshake reply within {master.node_timeout}s")
+                self.read_available()
+            info = slot.replies[0]
+            if isinstance(info, ReplyError):
+                raise ConnectionError(f"INFO failed: {info}")
+            for reply in slot.replies[1:]:
+                if isinstance(reply, ReplyError):
+                    raise ConnectionError(f"SCRIPT LOAD failed: {reply}")
+            run_id = _parse_run_id(info)
+            if run_id:
+                master.note_run_id(run_id, now)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn, self.sock = self._conn, None, None
+        self.outstanding.clear()
+        self.reader.clear()
+        if conn is not None:
+            # redis-py only shuts the socket down in the process that opened it,
+            # so a forked child closing its copy never cuts off the parent.
+            with contextlib.suppress(Exception):
+                conn.disconnect()
+
+    def forget(self) -> None:
+        """Drop the connection without touching the socket (after fork, in the child)."""
+        self._conn = None
+        self.sock = None
+        self.outstanding.clear()
+        self.reader.clear()
+
+    def send(self, payload: bytes, expected: int) -> Slot:
+        """Write a payload that will produce ``expected`` replies; return their slot."""
+        assert self.sock is not None
+        if len(self.outstanding) > MAX_OUTSTANDING:
+            raise ConnectionError(f"{len(self.outstanding)} replies overdue")
+        self.sock.sendall(payload)
+        slot = Slot(expected)
+        self.outstanding.append(slot)
+        return slot
+
+    def wait_readable(self, timeout: float) -> bool:
+        sock = self.sock
+        if sock is None:
+            return False
+        if _pending(sock):
+            return True
+        readable, _, _ = select.select([sock], [], [], max(timeout, 0.0))
+        return bool(readable)
+
+    def read_available(self) -> None:
+        """Read what the socket has and hand complete replies to their slots.
+
+        Raises ``ConnectionError`` when the peer closed the connection.
+        """
+        sock = self.sock
+        assert sock is not None
+        data = sock.recv(262144)
+        if not data:
+            raise ConnectionError("connection closed by the master")
+        self.reader.feed(data)
+        while _pending(sock):
+            self.reader.feed(sock.recv(262144))
+        self.master.mark_up()
+        outstanding = self.outstanding
+        while outstanding:
+            reply = self.reader.next()
+            if reply is INCOMPLETE:
+                break
+            slot = outstanding[0]
+            slot.replies.append(reply)
+            if slot.done:
+                outstanding.popleft()
+
+
+def _pending(sock: socket.socket) -> int:
+    pending = getattr(sock, "pending", None)
+    return int(pending()) if pending is not None else 0
+
+
+def _parse_run_id(info: object) -> str | None:
+    if not isinstance(info, bytes):
+        return None
+    for line in info.split(b"\r\n"):
+        if line.startswith(b"run_id:"):
+            return line[7:].decode()
+    return None

@@ -1,0 +1,775 @@
+"""The :class:`Redlock` client: a lock on a quorum of N independent Redis masters."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from ..backoff import full_jitter
+from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
+from ..keys import redis_key
+from . import scripts
+from .fanout import Lane, RoundResult, run_round
+from .lease import Lease
+from .master import Link, Master, MasterSpec, make_master
+from .resp import ReplyError, pack
+
+__all__ = ["Redlock"]
+
+logger = logging.getLogger("celery_redlock.lock")
+
+#: Blocking acquire retries with full jitter between these bounds (seconds).
+RETRY_BASE, RETRY_CAP = 0.010, 0.200
+#: Fence counters live this long without use (ms); safe because fences are seeded
+#: from the wall clock, so a counter that expired and starts again still issues
+#: tokens larger than those handed out before.
+DEFAULT_FENCE_TTL = 7 * 24 * 3600.0
+#: Leases per EXTEND_MANY call; bounds one script's run time on the master.
+RENEW_CHUNK = 500
+
+_instances: weakref.WeakSet[Redlock] = weakref.WeakSet()
+
+
+def _number(name: str, value: object, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds (int or float), got {value!r}")
+    if value < minimum or (value == minimum and not allow_zero):
+        bound = ">=" if allow_zero else ">"
+        raise ValueError(f"{name} must be {bound} {minimum}, got {value!r}")
+    return float(value)
+
+
+class Redlock:
+    """A Redlock client over N independent masters (N=1 works, as a plain lock).
+
+    :param masters: URLs (``redis://``, ``rediss://``, ``unix://``, with ACL user and
+        password), dicts of ``redis.Redis`` arguments, ``redis.Redis`` clients, or
+        Sentinel specs ``{"sentinels": [(host, port)], "service_name": ...}``.
+    :param key_prefix: first part of every Redis key (``<prefix>:{<key>}``).
+    :param node_timeout: connect and read timeout per master call, in seconds; no
+        client-side retries. Must be well below the TTLs you use.
+    :param clock_drift_factor: share of the TTL subtracted from validity for clock
+        drift between the masters (plus 2 ms).
+    :param fence_ttl: seconds an unused fence counter lives.
+    :param restart_quarantine: seconds a master seen to restart stays out of the
+        quorum; by default the longest TTL this client has used.
+
+    One instance is safe to share between threads and survives ``fork()``: the
+    child opens its own connections and holds none of the parent's leases.
+    """
+
+    def __init__(
+        self,
+        masters: Sequence[MasterSpec] | MasterSpec,
+        *,
+        key_prefix: str = "redlock",
+        node_timeout: float = 0.25,
+        clock_drift_factor: float = 0.01,
+        fence_ttl: float = DEFAULT_FENCE_TTL,
+        restart_quarantine: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(masters, str | Mapping) or not isinstance(masters, Sequence):
+            masters = [masters]
+        if not masters:
+            raise ImproperlyConfigured("masters: give at least one Redis master")
+        if (
+            not isinstance(key_prefix, str)
+            or not key_prefix
+            or "{" in key_prefix
+            or "}" in key_prefix
+        ):
+            raise ImproperlyConfigured(
+                f"key_prefix must be a non-empty str without braces, got {key_prefix!r}"
+            )
+        try:
+            self.node_timeout = _number("node_timeout", node_timeout)
+            drift = _number("clock_drift_factor", clock_drift_factor, allow_zero=True)
+            self.fence_ttl = _number("fence_ttl", fence_ttl)
+            if restart_quarantine is not None:
+                _number("restart_quarantine", restart_quarantine, allow_zero=True)
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(str(exc)) from None
+        if drift >= 0.5:
+            raise ImproperlyConfigured(
+                f"clock_drift_factor must be in [0, 0.5), got {clock_drift_factor!r}"
+            )
+        self.clock_drift_factor = drift
+        self.key_prefix = key_prefix
+        self.restart_quarantine = restart_quarantine
+        self._clock = clock
+        self.masters: list[Master] = [make_master(m, self.node_timeout) for m in masters]
+        self.quorum = len(self.masters) // 2 + 1
+        self.reconnect_backoff = max(1.0, 4 * self.node_timeout)
+        self._max_ttl = 0.0
+        self._lanes: list[Lane] = []
+        self._lanes_lock = threading.Lock()
+        self._renew_lane: Lane | None = None
+        _instances.add(self)
+        if len(self.masters) == 1:
+            logger.info(
+                "Redlock on a single master (%s): an efficiency lock; it does not survive "
+                "that master failing or restarting",
+                self.masters[0].name,
+            )
+
+    def __repr__(self) -> str:
+        return f"<Redlock {len(self.masters)} masters, quorum {self.quorum}: {self.master_names}>"
+
+    @property
+    def master_names(self) -> list[str]:
+        """The masters, described without passwords."""
+        return [m.name for m in self.masters]
+
+    # -- public API ----------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float,
+        *,
+        blocking_timeout: float | None = 0,
+        auto_renew: bool = False,
+        max_hold: float | None = None,
+        renew_every: float | None = None,
+        meta: Mapping[str, str] | None = None,
+        clear_companion: tuple[str, str] | None = None,
+    ) -> Lease:
+        """Take the lock on ``key`` for ``ttl`` seconds on a quorum of masters.
+
+        ``blocking_timeout=0`` tries once; a positive number keeps trying for that
+        long with full-jitter pauses of 10 to 200 ms; ``None`` waits forever.
+        Raises :class:`LockContended` when somebody else holds the key (also
+        this client: locks are not re-entrant) and :class:`QuorumUnavailable`
+        when too few masters answer. With ``auto_renew`` the process's renewal
+        engine extends the lease every ``renew_every`` seconds (default ttl/3),
+        for at most ``max_hold`` seconds in all when given. ``meta`` is stored in a
+        hash beside the lock (same TTL, deleted with it) for operators.
+        ``clear_companion=(suffix, value)`` deletes ``<prefix>:{key}:<suffix>`` if it
+        holds ``value``, in the same atomic step as a successful acquire (the task
+        layer clears its enqueue-dedupe marker this way, without a round trip).
+        """
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"key must be a non-empty str, got {key!r}")
+        ttl = _number("ttl", ttl)
+        if ttl <= self.node_timeout:
+            raise ValueError(
+                f"ttl ({ttl}s) must be longer than node_timeout ({self.node_timeout}s)"
+            )
+        if blocking_timeout is not None:
+            blocking_timeout = _number("blocking_timeout", blocking_timeout, allow_zero=True)
+        if max_hold is not None:
+            max_hold = _number("max_hold", max_hold)
+        if renew_every is None:
+            renew_every = ttl / 3
+        else:
+            renew_every = _number("renew_every", renew_every)
+            if renew_every >= ttl:
+                raise ValueError(f"renew_every ({renew_every}s) must be shorter than ttl ({ttl}s)")
+        companion = ("dedupe", "") if clear_companion is None else clear_companion
+        meta_args: list[str] = [companion[0], companion[1]]
+        for field, value in (meta or {}).items():
+            meta_args += [str(field), str(value)]
+        self._max_ttl = max(self._max_ttl, ttl)
+        token = secrets.token_hex(16)
+        deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
+        attempt = 0
+        while True:
+            try:
+                lease = self._try_acquire(key, token, ttl, meta_args, renew_every, max_hold)
+                break
+            except (LockContended, QuorumUnavailable):
+                if blocking_timeout == 0:
+                    raise
+                pause = full_jitter(attempt, RETRY_BASE, RETRY_CAP)
+                attempt += 1
+                if deadline is not None:
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        raise
+                    pause = min(pause, left)
+                time.sleep(pause)
+        if auto_renew:
+            from .heartbeat import engine
+
+            lease.auto_renew = True
+            engine().add(lease)
+        return lease
+
+    @contextlib.contextmanager
+    def lock(
+        self,
+        key: str,
+        ttl: float,
+        *,
+        blocking_timeout: float | None = 0,
+        auto_renew: bool = False,
+        max_hold: float | None = None,
+        renew_every: float | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> Iterator[Lease]:
+        """:meth:`acquire` as a context manager that releases on exit."""
+        lease = self.acquire(
+            key,
+            ttl,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            max_hold=max_hold,
+            renew_every=renew_every,
+            meta=meta,
+        )
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def close(self) -> None:
+        """Close every connection (leases still held simply expire)."""
+        with self._lanes_lock:
+            lanes = list(self._lanes)
+            if self._renew_lane is not None:
+                lanes.append(self._renew_lane)
+        for lane in lanes:
+            with lane.lock:
+                for link in lane.links:
+                    link.close()
+
+    def release_owned_by(self, key: str, field: str, value: str) -> bool:
+        """Delete the lock on ``key`` if its metadata says ``field == value``.
+
+        For a holder that cannot release itself, such as a task killed by a revoke
+        with terminate: the worker's main process knows the task id, not the token.
+        Returns True when a quorum deleted it; never raises for unreachable masters.
+        """
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (
+            pack(("EVALSHA", scripts.RELEASE_OWNER.sha, 2, lock_key, meta_key, field, value)),
+            1,
+        )
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters))
+        deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
+        if result.errors:
+            logger.warning(
+                "release of %r owned by %s=%s: not reached: %s",
+                key,
+                field,
+                value,
+                self._errors(result),
+            )
+        return deleted >= self.quorum
+
+    def claim(self, key: str, suffix: str, value: str, ttl: float) -> tuple[str, bool]:
+        """Set ``<prefix>:{key}:<suffix>`` to ``value`` on a quorum unless somebody has.
+
+        Returns ``(holder, fresh)``: the value that holds a quorum afterwards
+        (``value`` when the claim is ours, else the other claimant's) and whether
+        this call created it (False when ``value`` was already there). When no
+        value reaches a quorum (several claimants raced), our partial claim is
+        undone and the claim tried again a few times. Raises
+        :class:`QuorumUnavailable` when too few masters answer and
+        :class:`LockContended` when racing claims never settle.
+        """
+        name = redis_key(self.key_prefix, key, suffix)
+        ttl = _number("ttl", ttl)
+        payload = (pack(("EVALSHA", scripts.CLAIM.sha, 1, name, value, max(1, int(ttl * 1000)))), 1)
+        undo = (pack(("EVALSHA", scripts.UNCLAIM.sha, 1, name, value)), 1)
+        ours = value.encode()
+        n, q = len(self.masters), self.quorum
+
+        def holder_of(reply: list[object]) -> bytes | None:
+            first = reply[0]
+            if first == 1:
+                return ours
+            return first if isinstance(first, bytes) else None
+
+        for attempt in range(4):
+            with self._lane() as lane:
+                quarantined = self._quarantined(self._clock())
+
+                def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
+                    votes: dict[object, int] = {}
+                    for i, x in enumerate(r.replies):
+                        if x is not None and i not in quarantined:
+                            h = holder_of(x)
+                            votes[h] = votes.get(h, 0) + 1
+                    return any(c >= q for h, c in votes.items() if h is not None)
+
+                payloads = [None if i in quarantined else payload for i in range(n)]
+                result = self._round(lane, payloads, decided)
+                votes: dict[bytes, int] = {}
+                fresh = 0
+                for i, x in enumerate(result.replies):
+                    h = None if x is None or i in quarantined else holder_of(x)
+                    if h is not None:
+                        votes[h] = votes.get(h, 0) + 1
+                        fresh += x is not None and x[0] == 1
+                winner = next((h for h, c in votes.items() if c >= q), None)
+                if winner == ours:
+                    return value, fresh >= q
+                mine = {
+                    i
+                    for i, x in enumerate(result.replies)
+                    if x is not None and holder_of(x) == ours
+                }
+                mine |= {i for i in result.errors if lane.links[i].connected} | result.not_waited
+                if mine:
+                    self._round(lane, [undo if i in mine else None for i in range(n)])
+            if winner is not None:
+                return winner.decode(), False
+            if sum(votes.values()) < q:
+                raise QuorumUnavailable(
+                    f"only {sum(votes.values())} of {n} masters answered the claim {name!r}, "
+                    f"{q} needed",
+                    key,
+                    self.master_names,
+                    self._errors(result),
+                )
+            time.sleep(full_jitter(attempt, RETRY_BASE, RETRY_CAP))
+        raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
+
+    def unclaim(self, key: str, suffix: str, value: str) -> bool:
+        """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""
+        name = redis_key(self.key_prefix, key, suffix)
+        payload = (pack(("EVALSHA", scripts.UNCLAIM.sha, 1, name, value)), 1)
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters))
+        return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
+
+    # -- keys ------------------------------------------------------------------
+
+    def lock_key(self, key: str) -> str:
+        """The Redis key of the lock on ``key``."""
+        return redis_key(self.key_prefix, key)
+
+    def _keys(self, key: str) -> tuple[str, str, str]:
+        return (
+            redis_key(self.key_prefix, key),
+            redis_key(self.key_prefix, key, "meta"),
+            redis_key(self.key_prefix, key, "fence"),
+        )
+
+    # -- lanes -------------------------------------------------------------------
+
+    def _new_lane(self) -> Lane:
+        return Lane([Link(m) for m in self.masters])
+
+    @contextlib.contextmanager
+    def _lane(self, lane: Lane | None = None) -> Iterator[Lane]:
+        if lane is None:
+            for candidate in self._lanes:
+                if candidate.lock.acquire(blocking=False):
+                    lane = candidate
+                    break
+            else:
+                lane = self._new_lane()
+                lane.lock.acquire()
+                with self._lanes_lock:
+                    self._lanes.append(lane)
+        else:
+            lane.lock.acquire()
+        try:
+            yield lane
+        finally:
+            lane.lock.release()
+
+    def _drift(self, ttl: float) -> float:
+        return ttl * self.clock_drift_factor + 0.002
+
+    def _quarantined(self, now: float) -> set[int]:
+        out: set[int] = set()
+        period = self.restart_quarantine
+        if period is None:
+            period = self._max_ttl
+        for i, master in enumerate(self.masters):
+            if master.restarted_at is not None and now < master.restarted_at + period:
+                out.add(i)
+        return out
+
+    def _round(
+        self,
+        lane: Lane,
+        payloads: Sequence[tuple[bytes, int] | None],
+        decided: Callable[[RoundResult], bool] | None = None,
+        *,
+        wait_on_down: bool = False,
+    ) -> RoundResult:
+        result = run_round(
+            lane.links,
+            payloads,
+            clock=self._clock,
+            node_timeout=self.node_timeout,
+            reconnect_backoff=self.reconnect_backoff,
+            decided=decided,
+            wait_on_down=wait_on_down,
+        )
+        for i, replies in enumerate(result.replies):
+            if replies and any(isinstance(r, ReplyError) for r in replies):
+                error = next(r for r in replies if isinstance(r, ReplyError))
+                if "NOSCRIPT" in str(error):
+                    # Scripts flushed on the master: reconnecting loads them again.
+                    lane.links[i].close()
+                result.replies[i] = None
+                result.errors[i] = f"error reply: {error}"
+        return result
+
+    def _errors(
+        self, result: RoundResult, extra: Mapping[int, str] | None = None
+    ) -> dict[str, str]:
+        errors = {self.masters[i].name: text for i, text in result.errors.items()}
+        for i, text in (extra or {}).items():
+            errors[self.masters[i].name] = text
+        return errors
+
+    # -- operations ----------------------------------------------------------------
+
+    def _try_acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        meta_args: Sequence[str],
+        renew_every: float,
+        max_hold: float | None,
+    ) -> Lease:
+        lock_key, meta_key, _ = self._keys(key)
+        companion_key = redis_key(self.key_prefix, key, meta_args[0])
+        ttl_ms = max(1, int(ttl * 1000))
+        n, q = len(self.masters), self.quorum
+        with self._lane() as lane:
+            start = self._clock()
+            quarantined = self._quarantined(start)
+            payload = (
+                pack(
+                    (
+                        "EVALSHA",
+                        scripts.ACQUIRE.sha,
+                        3,
+                        lock_key,
+                        meta_key,
+                        companion_key,
+                        token,
+                        ttl_ms,
+                        *meta_args[1:],
+                    )
+                ),
+                1,
+            )
+            payloads = [None if i in quarantined else payload for i in range(n)]
+
+            def decided(r: RoundResult) -> bool:
+                # A link that reconnects during the round may find its master restarted.
+                out = quarantined | self._quarantined(self._clock())
+                ok = held = 0
+                for i, x in enumerate(r.replies):
+                    if x is not None and i not in out:
+                        ok += x[0] == 1
+                        held += x[0] != 1
+                unreachable = len(out | r.errors.keys())
+                if ok >= q:
+                    return True
+                # Stop once winning is impossible *and* contention can be told from an
+                # outage; stopping earlier would report a held key as unavailable.
+                return unreachable + held > n - q and (ok + held >= q or unreachable > n - q)
+
+            result = self._round(lane, payloads, decided)
+            quarantined |= self._quarantined(self._clock())
+            landed = [i for i, x in enumerate(result.replies) if x is not None and x[0] == 1]
+            won = [i for i in landed if i not in quarantined]
+            held = [
+                i
+                for i, x in enumerate(result.replies)
+                if x is not None and x[0] != 1 and i not in quarantined
+            ]
+            deadline = start + ttl - self._drift(ttl)
+            now = self._clock()
+            if len(won) >= q and now < deadline:
+                return Lease(
+                    self,
+                    key,
+                    token,
+                    ttl,
+                    deadline=deadline,
+                    acquired_at=start,
+                    lane=lane,
+                    renew_every=renew_every,
+                    max_hold=max_hold,
+                    auto_renew=False,
+                )
+            # Failed: undo wherever our SET may have landed. On a master that did
+            # not answer, the release is queued behind the SET on the same link.
+            undo = set(landed) | {i for i in result.errors if lane.links[i].connected}
+            undo |= result.not_waited
+            if undo:
+                release = (
+                    pack(
+                        ("EVALSHA", scripts.RELEASE.sha, 3, lock_key, meta_key, meta_key, token, "")
+                    ),
+                    1,
+                )
+                won_set = set(landed)
+                self._round(
+                    lane,
+                    [release if i in undo else None for i in range(n)],
+                    lambda r: all(r.replies[i] is not None or i in r.errors for i in won_set),
+                )
+        extra = dict.fromkeys(quarantined, "kept out after a restart")
+        if len(won) >= q:
+            raise QuorumUnavailable(
+                f"acquired {key!r} on {len(won)} of {n} masters but it took "
+                f"{now - start:.3f}s, longer than its validity",
+                key,
+                self.master_names,
+                self._errors(result, extra),
+            )
+        if len(won) + len(held) < q:
+            # Masters that did answer may not be counted here: the round stops as soon
+            # as too many have failed for a quorum, so name the failed ones instead.
+            reachable = n - len(result.errors) - len(quarantined)
+            raise QuorumUnavailable(
+                f"{key!r}: only {reachable} of {n} masters reachable, {q} needed",
+                key,
+                self.master_names,
+                self._errors(result, extra),
+            )
+        raise LockContended(
+            f"{key!r} is held by another owner ({len(held)} of {n} masters)",
+            key,
+            self.master_names,
+            self._errors(result, extra),
+        )
+
+    def _release(self, lease: Lease, *, wait: bool = True) -> bool:
+        from .heartbeat import forget
+
+        forget(lease)
+        lock_key, meta_key, _ = self._keys(lease.key)
+        suffix, value = lease.clear_on_release or ("dedupe", "")
+        companion_key = redis_key(self.key_prefix, lease.key, suffix)
+        payload = (
+            pack(
+                (
+                    "EVALSHA",
+                    scripts.RELEASE.sha,
+                    3,
+                    lock_key,
+                    meta_key,
+                    companion_key,
+                    lease.token,
+                    value,
+                )
+            ),
+            1,
+        )
+        q = self.quorum
+
+        def decided(r: RoundResult) -> bool:
+            return not wait or sum(1 for x in r.replies if x is not None and x[0] == 1) >= q
+
+        with self._lane(lease._lane) as lane:
+            result = self._round(lane, [payload] * len(self.masters), decided)
+        deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
+        if result.errors:
+            logger.warning(
+                "released %r on %d of %d masters; not reached: %s",
+                lease.key,
+                deleted,
+                len(self.masters),
+                self._errors(result),
+            )
+        return deleted >= q
+
+    def _extend(self, lease: Lease, ttl: float) -> None:
+        ttl = _number("ttl", ttl)
+        self._max_ttl = max(self._max_ttl, ttl)
+        lock_key, meta_key, _ = self._keys(lease.key)
+        ttl_ms = max(1, int(ttl * 1000))
+        payload = (
+            pack(("EVALSHA", scripts.EXTEND.sha, 2, lock_key, meta_key, lease.token, ttl_ms)),
+            1,
+        )
+        n, q = len(self.masters), self.quorum
+        with self._lane() as lane:
+            start = self._clock()
+            quarantined = self._quarantined(start)
+
+            def decided(r: RoundResult) -> bool:
+                ok = sum(
+                    1 for i, x in enumerate(r.replies) if x and x[0] == 1 and i not in quarantined
+                )
+                gone = sum(1 for x in r.replies if x is not None and x[0] != 1)
+                return ok >= q or gone > n - q
+
+            result = self._round(lane, [payload] * n, decided)
+            quarantined |= self._quarantined(self._clock())
+        ok = sum(
+            1
+            for i, x in enumerate(result.replies)
+            if x is not None and x[0] == 1 and i not in quarantined
+        )
+        gone = sum(1 for x in result.replies if x is not None and x[0] != 1)
+        confirmed = ok >= q and lease._set_deadline(start + ttl - self._drift(ttl), ttl)
+        if confirmed and self._clock() < lease.deadline:
+            return
+        if gone > n - q:
+            lease._lose(f"{gone} of {n} masters no longer know this holder")
+            raise LockLost(
+                f"lease on {lease.key!r} is lost: {gone} of {n} masters no longer know it",
+                lease.key,
+                self.master_names,
+            )
+        lease.ensure_held()
+        raise QuorumUnavailable(
+            f"extended {lease.key!r} on {ok} of {n} masters, {q} needed",
+            lease.key,
+            self.master_names,
+            self._errors(result),
+        )
+
+    def _commit_fence(self, lease: Lease) -> int:
+        lock_key, _, fence_key = self._keys(lease.key)
+        n, q = len(self.masters), self.quorum
+        fence_ttl_ms = max(1, int(self.fence_ttl * 1000))
+        # Seeded from the wall clock (microseconds) so that a counter lost with a
+        # restarted master, or expired, still yields larger tokens than before.
+        proposal = max(1, time.time_ns() // 1000)
+        for _ in range(8):
+            payload = (
+                pack(
+                    (
+                        "EVALSHA",
+                        scripts.FENCE.sha,
+                        2,
+                        lock_key,
+                        fence_key,
+                        lease.token,
+                        proposal,
+                        fence_ttl_ms,
+                    )
+                ),
+                1,
+            )
+            with self._lane() as lane:
+                quarantined = self._quarantined(self._clock())
+
+                # No early stop at the first quorum: the token must exceed the counter
+                # on every master that answers (a previous token lives on a majority,
+                # which may not be the one that accepts this proposal first).
+                result = self._round(lane, [payload] * n)
+                quarantined |= self._quarantined(self._clock())
+            codes = {i: _code(x) for i, x in enumerate(result.replies) if x is not None}
+            accepted = sum(1 for i, c in codes.items() if c == 1 and i not in quarantined)
+            not_owner = sum(1 for c in codes.values() if c == 0)
+            # Counters at or above the proposal, also from masters where we are not the
+            # holder (they may carry the last token handed out).
+            higher = [
+                _value(x)
+                for x in result.replies
+                if x is not None and _code(x) != 1 and _value(x) >= proposal
+            ]
+            if accepted >= q and not higher:
+                lease.ensure_held()
+                return proposal
+            if not_owner > n - q:
+                lease._lose(f"{not_owner} of {n} masters no longer know this holder")
+                lease.ensure_held()
+            if not higher:
+                raise QuorumUnavailable(
+                    f"fence for {lease.key!r} committed on {accepted} of {n} masters, {q} needed",
+                    lease.key,
+                    self.master_names,
+                    self._errors(result),
+                )
+            proposal = max(higher) + 1
+            lease.ensure_held()
+        raise QuorumUnavailable(  # pragma: no cover - needs 8 racing proposals in a row
+            f"could not commit a fence for {lease.key!r}", lease.key, self.master_names
+        )
+
+    def _renew_many(self, leases: Sequence[Lease], ttls: Sequence[float]) -> list[str]:
+        """Extend ``leases[i]`` to ``ttls[i]`` on every master in one round.
+
+        Returns, per lease, ``"ok"`` (a quorum extended it; its deadline moved),
+        ``"gone"`` (a quorum no longer knows it) or an error text (try again).
+        """
+        n, q = len(self.masters), self.quorum
+        commands = []
+        for lo in range(0, len(leases), RENEW_CHUNK):
+            keys: list[str] = []
+            args: list[str | int] = []
+            for lease, ttl in zip(
+                leases[lo : lo + RENEW_CHUNK], ttls[lo : lo + RENEW_CHUNK], strict=True
+            ):
+                lock_key, meta_key, _ = self._keys(lease.key)
+                keys += [lock_key, meta_key]
+                args += [lease.token, max(1, int(ttl * 1000))]
+            commands.append(("EVALSHA", scripts.EXTEND_MANY.sha, len(keys), *keys, *args))
+        payload = (pack(*commands), len(commands))
+        if self._renew_lane is None:
+            self._renew_lane = self._new_lane()
+        with self._lane(self._renew_lane) as lane:
+            start = self._clock()
+            quarantined = self._quarantined(start)
+            result = self._round(lane, [payload] * n)
+            quarantined |= self._quarantined(self._clock())
+        flags = [_flags(replies) for replies in result.replies]
+        out: list[str] = []
+        for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
+            ok = sum(
+                1
+                for i, f in enumerate(flags)
+                if f is not None and f[j] == "1" and i not in quarantined
+            )
+            gone = sum(1 for f in flags if f is not None and f[j] == "0")
+            if ok >= q:
+                lease._set_deadline(start + ttl - self._drift(ttl))
+                out.append("ok")
+            elif gone > n - q:
+                out.append("gone")
+            else:
+                errors = self._errors(result)
+                out.append(f"renewed on {ok} of {n} masters ({q} needed); {errors}")
+        return out
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's sockets stay the parent's: forget them without a shutdown,
+        # and replace locks that a parent thread may have held at fork time.
+        self._lanes_lock = threading.Lock()
+        for lane in self._lanes:
+            lane.lock = threading.Lock()
+            for link in lane.links:
+                link.forget()
+        self._lanes = []
+        self._renew_lane = None
+
+
+def _code(reply: list[object]) -> int:
+    value = reply[0]
+    return int(value[0]) if isinstance(value, list) and value else -1
+
+
+def _value(reply: list[object]) -> int:
+    value = reply[0]
+    return int(value[1]) if isinstance(value, list) and len(value) > 1 else 0
+
+
+def _flags(replies: list[object] | None) -> str | None:
+    """The '1'/'0' flags of one master's EXTEND_MANY replies, joined; None if unusable."""
+    if not replies or not all(isinstance(r, bytes) for r in replies):
+        return None
+    return b"".join(r for r in replies if isinstance(r, bytes)).decode()
+
+
+def _after_fork_in_child() -> None:
+    for instance in list(_instances):
+        instance._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

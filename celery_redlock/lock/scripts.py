@@ -1,0 +1,197 @@
+"""Lua scripts run on every master, one per operation.
+
+Every script checks ownership and changes keys in one atomic step, so that a
+holder whose lease ran out can never delete or extend the next holder's lock.
+Each script's header names its ``KEYS``, ``ARGV`` and reply. All keys of one
+lock share a hash tag (``<prefix>:{<key>}``), so a script never touches two
+Redis Cluster slots except :data:`EXTEND_MANY`, which the heartbeat sends to a
+plain master only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+__all__ = [
+    "ACQUIRE",
+    "ALL_SCRIPTS",
+    "CLAIM",
+    "EXTEND",
+    "EXTEND_MANY",
+    "FENCE",
+    "RELEASE",
+    "RELEASE_OWNER",
+    "UNCLAIM",
+    "Script",
+]
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+#: KEYS[1] lock, KEYS[2] metadata hash, KEYS[3] companion key (see ARGV[3]).
+#: ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] a value: on success KEYS[3] is deleted
+#: if it holds exactly this value ('' = leave KEYS[3] alone), ARGV[4..] metadata
+#: field, value pairs (may be none).
+#: Returns 1 when the key is ours now (set, or already held with this token and
+#: refreshed, so a retry of one acquire call is idempotent), 0 when someone else holds it.
+ACQUIRE = Script(
+    "acquire",
+    """
+local current = redis.call('GET', KEYS[1])
+if current == false then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    if #ARGV > 3 then
+        redis.call('DEL', KEYS[2])
+        redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+        redis.call('PEXPIRE', KEYS[2], ARGV[2])
+    end
+elseif current == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+else
+    return 0
+end
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then
+    redis.call('DEL', KEYS[3])
+end
+return 1
+""",
+)
+
+#: KEYS[1] lock, KEYS[2] metadata hash, KEYS[3] companion key (see ARGV[2]).
+#: ARGV[1] token, ARGV[2] a value: KEYS[3] is deleted too if it holds exactly this
+#: value ('' = leave KEYS[3] alone).
+#: Returns 1 when the lock was ours and is now deleted (with its metadata), else 0.
+RELEASE = Script(
+    "release",
+    """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then
+    redis.call('DEL', KEYS[3])
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1], KEYS[2])
+    return 1
+end
+return 0
+""",
+)
+
+#: KEYS[1] lock, KEYS[2] metadata hash.
+#: ARGV[1] metadata field, ARGV[2] value.
+#: Returns 1 when the metadata says the lock belongs to that owner (for example
+#: ``task_id`` = a task that was killed) and both keys are now deleted, else 0.
+RELEASE_OWNER = Script(
+    "release_owner",
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+    redis.call('DEL', KEYS[1], KEYS[2])
+    return 1
+end
+return 0
+""",
+)
+
+#: KEYS[1] claim key.
+#: ARGV[1] value, ARGV[2] ttl in ms.
+#: Returns 1 when the key was free and now holds ARGV[1] for ARGV[2] ms, else the
+#: value it already holds (which may be ARGV[1]: the same claimant came back).
+CLAIM = Script(
+    "claim",
+    """
+local current = redis.call('GET', KEYS[1])
+if current == false then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return 1
+end
+return current
+""",
+)
+
+#: KEYS[1] claim key.
+#: ARGV[1] value.
+#: Returns 1 when the key held exactly ARGV[1] and is now deleted, else 0.
+UNCLAIM = Script(
+    "unclaim",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    return 1
+end
+return 0
+""",
+)
+
+#: KEYS[1] lock, KEYS[2] metadata hash.
+#: ARGV[1] token, ARGV[2] new ttl in ms.
+#: Returns 1 when the lock was ours and now lives ARGV[2] ms (metadata too), else 0.
+EXTEND = Script(
+    "extend",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+    return 1
+end
+return 0
+""",
+)
+
+#: KEYS[2i-1] lock i, KEYS[2i] metadata hash i, for i in 1..n.
+#: ARGV[2i-1] token i, ARGV[2i] new ttl in ms for lock i.
+#: Returns a string of n characters: '1' where lock i was ours and is extended, else '0'.
+EXTEND_MANY = Script(
+    "extend_many",
+    """
+local out = {}
+for i = 1, #KEYS, 2 do
+    if redis.call('GET', KEYS[i]) == ARGV[i] then
+        redis.call('PEXPIRE', KEYS[i], ARGV[i + 1])
+        redis.call('PEXPIRE', KEYS[i + 1], ARGV[i + 1])
+        out[#out + 1] = '1'
+    else
+        out[#out + 1] = '0'
+    end
+end
+return table.concat(out)
+""",
+)
+
+#: KEYS[1] lock, KEYS[2] fence counter.
+#: ARGV[1] token, ARGV[2] proposed fence, ARGV[3] counter ttl in ms.
+#: Returns {0, counter} when the lock is not ours; {1, proposal} when the counter was
+#: below the proposal and now holds it; {2, counter} when the counter is already at
+#: or above the proposal (nothing written).
+FENCE = Script(
+    "fence",
+    """
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return {0, counter}
+end
+if counter < tonumber(ARGV[2]) then
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+    return {1, tonumber(ARGV[2])}
+end
+return {2, counter}
+""",
+)
+
+ALL_SCRIPTS: tuple[Script, ...] = (
+    ACQUIRE,
+    RELEASE,
+    RELEASE_OWNER,
+    EXTEND,
+    EXTEND_MANY,
+    FENCE,
+    CLAIM,
+    UNCLAIM,
+)

@@ -1,0 +1,57 @@
+"""Signals celery-redlock sends, for metrics and alerting.
+
+Every signal's sender is the task (or the beat service for beat signals).
+Connect receivers like any Celery signal::
+
+    from celery_redlock import signals
+
+
+    @signals.lock_contended.connect
+    def count(sender, key, **kw):
+        metrics.incr("lock.contended", tags={"task": sender.name})
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = [
+    "beat_status",
+    "duplicate_dropped",
+    "lock_acquired",
+    "lock_contended",
+    "lock_lost",
+    "lock_released",
+    "lock_unavailable",
+]
+
+#: The lock was taken before the body runs. Arguments: ``key``, ``lease``,
+#: ``task_id``, ``waited`` (seconds the acquire took).
+lock_acquired = Signal(name="redlock_lock_acquired")
+
+#: Someone else holds the key. Arguments: ``key``, ``task_id``, ``action``
+#: (``"retry"``, ``"skip"``, ``"raise"`` or ``"give_up"``), ``countdown``
+#: (seconds until the reschedule, or None), ``attempt`` (contention count).
+lock_contended = Signal(name="redlock_lock_contended")
+
+#: The masters were unavailable; the task is rescheduled. Arguments: ``key``,
+#: ``task_id``, ``countdown``, ``errors`` (per master).
+lock_unavailable = Signal(name="redlock_lock_unavailable")
+
+#: The lock was released after the body. Arguments: ``key``, ``lease``, ``task_id``,
+#: ``held_for`` (seconds), ``confirmed`` (a quorum confirmed the deletion; None when
+#: the release was sent without waiting, as after a body returns).
+lock_released = Signal(name="redlock_lock_released")
+
+#: The heartbeat could not keep the lock while the body ran. Arguments: ``key``,
+#: ``lease``, ``task_id``, ``reason``, ``policy`` (``"log"`` or ``"interrupt"``).
+lock_lost = Signal(name="redlock_lock_lost")
+
+#: A duplicate was dropped: an enqueue deduplicated (``stage="publish"``,
+#: ``existing_id``) or a beat occurrence delivered twice (``stage="worker"``).
+#: Arguments: ``key``, ``task_id``, ``stage``, ``existing_id``.
+duplicate_dropped = Signal(name="redlock_duplicate_dropped")
+
+#: Beat leadership changed. Arguments: ``status`` (``"leader"`` or ``"standby"``),
+#: ``previous``.
+beat_status = Signal(name="redlock_beat_status")

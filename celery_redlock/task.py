@@ -1,0 +1,488 @@
+"""SingletonTask: a renewed Redlock per task key around every run, plus enqueue dedupe.
+
+Timeline of one run (worker side)::
+
+    message arrives --> acquire key (1 round; also clears the "queued" dedupe
+                        marker and writes owner metadata, same round)
+        contended  --> retry: republish same id after full-jitter backoff
+                       skip: store IGNORED, drop; raise: fail with LockContended
+        no quorum  --> republish after outage backoff (never runs unguarded)
+        acquired   --> heartbeat renews every renew_every while the body runs
+                   --> body returns / raises / retries / hits its soft limit
+                   --> release (1 round; compare-and-delete, owner checked)
+
+The publish side claims a dedupe marker (value: the job's task id) before the
+message goes out, so a duplicate publish returns the job already queued.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from celery import Task, states
+from celery.exceptions import Ignore, Retry
+from celery.utils import uuid
+
+from . import signals
+from .client import redlock_for
+from .exceptions import LockContended, LockLost, QuorumUnavailable
+from .keys import compile_lock_key
+from .lock import Lease
+from .settings import UNSET, TaskOptions, get_settings, validate_task_options
+
+__all__ = ["LockLostInterrupt", "SingletonTask"]
+
+logger = logging.getLogger("celery_redlock.task")
+
+#: Message header: how many times contention has rescheduled this job so far.
+CONTENTION_HEADER = "redlock_contention"
+#: Message header: how many times an outage has rescheduled this job so far.
+OUTAGE_HEADER = "redlock_outage"
+DEDUPE_SUFFIX = "dedupe"
+#: Message header set by beat (celery_redlock.beat.OCCURRENCE_HEADER).
+OCCURRENCE_HEADER = "redlock_occurrence"
+
+#: Set while this library (or Celery's retry on our behalf) republishes a job that
+#: already owns its dedupe marker: such publishes must never be deduplicated.
+_republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "redlock_republishing", default=False
+)
+
+
+class LockLostInterrupt(LockLost):
+    """Raised inside a running task whose lock was lost (``on_lock_lost="interrupt"``)."""
+
+    def __init__(
+        self,
+        message: str = "the task's lock was lost while it ran; interrupted",
+        *args: Any,
+    ) -> None:
+        super().__init__(message, *args)
+
+
+class _Interrupter:
+    """Raises :class:`LockLostInterrupt` in the task's thread, only while the body runs."""
+
+    def __init__(self) -> None:
+        self._thread_id = threading.get_ident()
+        self._mutex = threading.Lock()
+        self._active = True
+
+    def stop(self) -> None:
+        with self._mutex:
+            self._active = False
+
+    def interrupt(self) -> bool:
+        with self._mutex:
+            if not self._active:
+                return False
+            self._active = False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._thread_id), ctypes.py_object(LockLostInterrupt)
+            )
+            return True
+
+
+def _header(request: Any, name: str) -> Any:
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value
+
+
+def _delay_of(options: Mapping[str, Any]) -> float:
+    countdown = options.get("countdown")
+    if countdown:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, dt.datetime):
+        now = dt.datetime.now(eta.tzinfo or dt.timezone.utc)
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=dt.timezone.utc)
+        return max(0.0, (eta - now).total_seconds())
+    return 0.0
+
+
+class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
+    """A task whose runs never overlap per lock key, and whose duplicates coalesce.
+
+    Options (class attributes, so ``@app.task(base=SingletonTask, **options)``
+    sets them; anything not set comes from ``app.conf.redlock_*``): ``lock_key``,
+    ``unique_on``, ``lock_ttl``, ``on_contention``, ``contention_backoff``,
+    ``max_contention_retries``, ``dedupe``, ``on_lock_lost``. See the docs'
+    configuration page for each.
+    """
+
+    lock_key: ClassVar[Any] = UNSET
+    unique_on: ClassVar[Any] = UNSET
+    lock_ttl: ClassVar[Any] = UNSET
+    on_contention: ClassVar[Any] = UNSET
+    contention_backoff: ClassVar[Any] = UNSET
+    max_contention_retries: ClassVar[Any] = UNSET
+    dedupe: ClassVar[Any] = UNSET
+    on_lock_lost: ClassVar[Any] = UNSET
+
+    _redlock_resolved: ClassVar[tuple[Any, TaskOptions] | None] = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Install the signal handlers and check ``lock_key`` when the task registers."""
+        from .wiring import install
+
+        install(app)
+        raw_run = cls.__dict__.get("run")
+        if raw_run is None or not getattr(cls, "name", None):
+            return
+        # A bad template (an unknown argument name) fails here, at registration.
+        lock_key = None if cls.lock_key is UNSET else cls.lock_key
+        unique_on = None if cls.unique_on is UNSET else cls.unique_on
+        from .settings import run_function
+
+        compile_lock_key(lock_key, run_function(cls), cls.name, unique_on=unique_on)
+
+    # -- options ---------------------------------------------------------------
+
+    def redlock_options(self) -> TaskOptions:
+        """This task's lock options, resolved against ``app.conf`` (cached)."""
+        settings = get_settings(self.app)
+        resolved = type(self).__dict__.get("_redlock_resolved")
+        if resolved is not None and resolved[0] is settings:
+            cached: TaskOptions = resolved[1]
+            return cached
+        options = validate_task_options(self, settings)
+        type(self)._redlock_resolved = (settings, options)
+        return options
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held by the current run (None outside a run)."""
+        return getattr(self.request, "redlock_lease", None)
+
+    # -- publish side: enqueue dedupe ---------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the job, unless an identical one is already queued (see ``dedupe``)."""
+
+        def publish(task_id: str | None) -> Any:
+            return super(SingletonTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
+        if (
+            _republishing.get()
+            or link
+            or link_error
+            or options.get("chord")
+            or options.get("group_id")
+            # A chain's later steps carry ``chain`` (empty for the last one, whose id the
+            # caller's AsyncResult already names) and link callbacks carry ``parent_id``:
+            # both are canvas members, published by the worker on the canvas's behalf.
+            or "chain" in options
+            or options.get("parent_id")
+            or self.app.conf.task_always_eager
+        ):
+            return publish(task_id)
+        opts = self.redlock_options()
+        if opts.dedupe is None:
+            return publish(task_id)
+        if task_id is not None and task_id == getattr(self.request, "id", None):
+            return publish(task_id)  # a republish of the running job itself
+        key = opts.lock_key(args or (), kwargs or {})
+        task_id = task_id or uuid()
+        settings = get_settings(self.app)
+        redlock = redlock_for(self.app)
+        try:
+            holder, fresh = redlock.claim(
+                key, DEDUPE_SUFFIX, task_id, settings.dedupe_ttl + _delay_of(options)
+            )
+        except (QuorumUnavailable, LockContended) as exc:
+            logger.warning("dedupe of %s skipped, publishing %s anyway: %s", key, task_id, exc)
+            return publish(task_id)
+        if holder != task_id or not fresh:
+            logger.info(
+                "%s: duplicate of queued job %s not published (key %s)", self.name, holder, key
+            )
+            signals.duplicate_dropped.send(
+                sender=self, key=key, task_id=task_id, stage="publish", existing_id=holder
+            )
+            return self.AsyncResult(holder)
+        try:
+            return publish(task_id)
+        except BaseException:
+            try:
+                redlock.unclaim(key, DEDUPE_SUFFIX, task_id)
+            except Exception:
+                logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
+            raise
+
+    # -- worker side: the run-time lock ---------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        opts = self.redlock_options()
+        key = opts.lock_key(args, kwargs)
+        task_id = request.id or ""
+        redlock = redlock_for(self.app)
+        started = time.monotonic()
+        meta = {
+            "task_id": task_id,
+            "task": self.name,
+            "host": request.hostname or socket.gethostname(),
+            "pid": str(os.getpid()),
+            "acquired_at": f"{time.time():.3f}",  # noqa: TID251 - shown to operators
+        }
+        try:
+            lease = redlock.acquire(
+                key,
+                opts.lock_ttl,
+                auto_renew=True,
+                max_hold=self._hard_time_limit(request),
+                renew_every=opts.renew_every,
+                meta=meta,
+                clear_companion=(DEDUPE_SUFFIX, task_id) if opts.dedupe == "queued" else None,
+            )
+        except LockContended as exc:
+            self._on_contended(request, key, opts, exc, args, kwargs)
+            raise  # pragma: no cover - _on_contended always raises
+        except QuorumUnavailable as exc:
+            self._on_unavailable(request, key, opts, exc, args, kwargs)
+            raise  # pragma: no cover
+        if opts.dedupe == "active":
+            lease.clear_on_release = (DEDUPE_SUFFIX, task_id)
+        request.redlock_lease = lease
+        request.redlock_key = key
+        interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
+        request.redlock_interrupter = interrupter
+        lease.on_lost(lambda lost: self._on_lost(lost, key, task_id, opts, interrupter))
+        signals.lock_acquired.send(
+            sender=self, key=key, lease=lease, task_id=task_id, waited=time.monotonic() - started
+        )
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            # The body is done: nothing needs ordering after the release, so it is
+            # sent without waiting (the next round on these connections reads the
+            # replies). retry() releases with a wait: its message must not race it.
+            self._release(request, wait=False)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, after releasing the lock so the retry never contends with us."""
+        request = self.request
+        lease = getattr(request, "redlock_lease", None)
+        if lease is not None:
+            # The job stays queued: an "active" marker stays too.
+            lease.clear_on_release = None
+            self._release(request)
+        token = _republishing.set(True)
+        try:
+            return super().retry(*args, **kwargs)
+        finally:
+            _republishing.reset(token)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _hard_time_limit(self, request: Any) -> float | None:
+        limits = getattr(request, "timelimit", None) or (None, None)
+        hard = limits[0] if limits else None
+        hard = hard or self.time_limit or self.app.conf.task_time_limit
+        return float(hard) if hard else None
+
+    def _release(self, request: Any, *, wait: bool = True) -> None:
+        """Release the run's lease; ``wait=False`` sends it without awaiting replies."""
+        lease: Lease | None = getattr(request, "redlock_lease", None)
+        if lease is None:
+            return
+        request.redlock_lease = None
+        interrupter = getattr(request, "redlock_interrupter", None)
+        if interrupter is not None:
+            interrupter.stop()
+        confirmed: bool | None = None
+        if wait:
+            confirmed = lease.release()
+        else:
+            lease.release(wait=False)
+        signals.lock_released.send(
+            sender=self,
+            key=lease.key,
+            lease=lease,
+            task_id=request.id,
+            held_for=time.monotonic() - lease.acquired_at,
+            confirmed=confirmed,
+        )
+
+    def _on_lost(
+        self,
+        lease: Lease,
+        key: str,
+        task_id: str,
+        opts: TaskOptions,
+        interrupter: _Interrupter | None,
+    ) -> None:
+        logger.warning(
+            "%s[%s]: lock %s lost while running (%s); policy %s",
+            self.name,
+            task_id,
+            key,
+            lease.lost_reason,
+            opts.on_lock_lost,
+        )
+        signals.lock_lost.send(
+            sender=self,
+            key=key,
+            lease=lease,
+            task_id=task_id,
+            reason=lease.lost_reason,
+            policy=opts.on_lock_lost,
+        )
+        if interrupter is not None:
+            interrupter.interrupt()
+
+    def _republish(
+        self,
+        request: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        countdown: float,
+        header: dict[str, int],
+    ) -> None:
+        headers = dict(getattr(request, "headers", None) or {})
+        headers.update(header)
+        signature = self.signature_from_request(
+            request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+        )
+        token = _republishing.set(True)
+        try:
+            signature.apply_async()
+        finally:
+            _republishing.reset(token)
+
+    def _on_contended(
+        self,
+        request: Any,
+        key: str,
+        opts: TaskOptions,
+        exc: LockContended,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        attempt = int(_header(request, CONTENTION_HEADER) or 0)
+        policy: str = opts.on_contention
+        if _header(request, OCCURRENCE_HEADER):
+            # A beat occurrence whose previous run still holds the key: rescheduling
+            # it would fire it twice, late. It is skipped.
+            policy = "skip"
+        if request.is_eager:
+            policy = "raise"
+        if policy == "retry" and (
+            opts.max_contention_retries is not None and attempt >= opts.max_contention_retries
+        ):
+            policy = "give_up"
+        countdown = opts.contention_backoff.delay(attempt) if policy == "retry" else None
+        signals.lock_contended.send(
+            sender=self,
+            key=key,
+            task_id=request.id,
+            action=policy,
+            countdown=countdown,
+            attempt=attempt,
+        )
+        if policy == "retry":
+            assert countdown is not None
+            logger.info(
+                "%s[%s]: %s is held elsewhere; rescheduled in %.2fs (contention %d)",
+                self.name,
+                request.id,
+                key,
+                countdown,
+                attempt + 1,
+            )
+            self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
+            raise Retry(f"lock {key} contended", exc=exc, when=countdown)
+        if policy != "retry":
+            # This job ends here: a dedupe marker naming it would make later publishes
+            # return a job that never runs (until the marker expires).
+            self._drop_dedupe_marker(key, opts, request.id)
+        if policy == "skip":
+            logger.info("%s[%s]: %s is held elsewhere; skipped", self.name, request.id, key)
+            self._store_ignored(request, key)
+            raise Ignore()
+        if policy == "give_up":
+            raise LockContended(
+                f"{key!r} still held after {attempt} contention reschedules "
+                f"(max_contention_retries={opts.max_contention_retries})",
+                exc.key,
+                exc.masters,
+                exc.errors,
+            ) from exc
+        raise exc
+
+    def _on_unavailable(
+        self,
+        request: Any,
+        key: str,
+        opts: TaskOptions,
+        exc: QuorumUnavailable,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        if request.is_eager:
+            raise exc
+        attempt = int(_header(request, OUTAGE_HEADER) or 0)
+        countdown = get_settings(self.app).outage_backoff.delay(attempt)
+        logger.warning(
+            "%s[%s]: lock service unavailable for %s (%s); rescheduled in %.2fs, not run",
+            self.name,
+            request.id,
+            key,
+            exc,
+            countdown,
+        )
+        signals.lock_unavailable.send(
+            sender=self, key=key, task_id=request.id, countdown=countdown, errors=exc.errors
+        )
+        self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1})
+        raise Retry(f"lock service unavailable for {key}", exc=exc, when=countdown)
+
+    def _drop_dedupe_marker(self, key: str, opts: TaskOptions, task_id: str | None) -> None:
+        if opts.dedupe is None or not task_id:
+            return
+        try:
+            redlock_for(self.app).unclaim(key, DEDUPE_SUFFIX, task_id)
+        except Exception:
+            logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
+
+    def _store_ignored(self, request: Any, key: str) -> None:
+        if self.ignore_result or getattr(request, "ignore_result", False):
+            return
+        try:
+            self.backend.store_result(
+                request.id,
+                {"reason": "lock contended", "key": key},
+                states.IGNORED,
+                request=request,
+            )
+        except NotImplementedError:
+            pass  # no result backend configured
+        except Exception:
+            logger.warning("could not store IGNORED for %s", request.id, exc_info=True)

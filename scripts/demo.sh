@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the demo: a Redlock over three real redis-server masters started for the occasion.
+# Sets up .venv first (see scripts/_env.sh); arguments go to example_project/demo.py.
+set -euo pipefail
+# shellcheck source=scripts/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+
+exec "$VENV_PY" example_project/demo.py "$@"

@@ -1,0 +1,39 @@
+"""``python -m proj.dbsetup NAME=SECONDS ...``: migrate the sqlite DB and add interval tasks.
+
+Each ``NAME=SECONDS`` becomes a django-celery-beat ``PeriodicTask`` named NAME on an
+``IntervalSchedule`` of SECONDS, calling ``proj.app.tick(kind=NAME)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.django_settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    call_command("migrate", verbosity=0)
+    for spec in argv:
+        name, _, seconds = spec.partition("=")
+        every, _ = IntervalSchedule.objects.get_or_create(
+            every=int(seconds), period=IntervalSchedule.SECONDS
+        )
+        PeriodicTask.objects.update_or_create(
+            name=name,
+            defaults={
+                "task": "proj.app.tick",
+                "interval": every,
+                "kwargs": json.dumps({"kind": name}),
+            },
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

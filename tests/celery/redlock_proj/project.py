@@ -1,0 +1,118 @@
+"""The tasks of the subprocess project, built for a given environment.
+
+:func:`make_app` is what ``celery_app.py`` calls with ``os.environ`` inside the worker,
+and what a test calls with the same mapping to publish those tasks the way a user
+would (``app.tasks[...].apply_async``), through SingletonTask's enqueue side.
+
+Environment keys:
+
+``REDLOCK_TEST_BROKER``    broker URL (a harness redis-server)
+``REDLOCK_TEST_BACKEND``   result backend URL (a harness redis-server)
+``REDLOCK_TEST_MASTERS``   comma-separated Redlock master URLs
+``REDLOCK_TEST_EVENTS``    Redis URL where task bodies record what they do (list ``events``)
+``REDLOCK_TEST_CONF``      optional JSON object merged into ``app.conf`` last (bad settings)
+
+Task bodies append JSON events ``{"event": "enter"|"exit", "task_id", "name", "host",
+"pid", "t": time.monotonic_ns()}`` to the ``events`` list. CLOCK_MONOTONIC is system-wide
+on Linux, so the test process can compare those times with its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_redlock
+from celery_redlock import SingletonTask
+
+LOOP = "redlock_proj.loop"
+CRASHY = "redlock_proj.crashy"
+QUICK = "redlock_proj.quick"
+
+
+class EventLog:
+    """Where task bodies record what they do: the ``events`` list in a Redis database."""
+
+    def __init__(self, url: str) -> None:
+        self.redis = redis.Redis.from_url(url, socket_timeout=5)
+
+    def record(self, event: str, task: Any) -> None:
+        self.redis.rpush(
+            "events",
+            json.dumps(
+                {
+                    "event": event,
+                    "task_id": task.request.id,
+                    "name": task.name,
+                    "host": task.request.hostname or socket.gethostname(),
+                    "pid": os.getpid(),
+                    "t": time.monotonic_ns(),
+                }
+            ),
+        )
+
+    def run_until_stopped(self, task: Any, name: str, seconds: float) -> str:
+        # Short sleeps in a Python loop: soft time limits and interrupts land here.
+        self.record("enter", task)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self.redis.exists(f"stop:{name}"):
+            time.sleep(0.02)
+        self.record("exit", task)
+        return name
+
+
+def make_app(env: Mapping[str, str]) -> Celery:
+    app = Celery("redlock_proj", set_as_current=False)
+    app.conf.update(
+        broker_url=env["REDLOCK_TEST_BROKER"],
+        result_backend=env["REDLOCK_TEST_BACKEND"],
+        redlock_redis_urls=env["REDLOCK_TEST_MASTERS"].split(","),
+        broker_connection_retry_on_startup=True,
+        # One message at a time per child: a job waiting behind a long one in the same
+        # child would make the timings meaningless.
+        worker_prefetch_multiplier=1,
+        redlock_contention_backoff=(0.2, 0.5),
+        redlock_outage_backoff=(0.3, 0.6),
+    )
+    app.conf.update(json.loads(env.get("REDLOCK_TEST_CONF") or "{}"))
+    celery_redlock.install(app)
+    events = EventLog(env["REDLOCK_TEST_EVENTS"])
+    run_until_stopped, record = events.run_until_stopped, events.record
+
+    @app.task(
+        shared=False, bind=True, base=SingletonTask, name=LOOP, lock_key="loop:{name}", dedupe=None
+    )
+    def loop(self: Any, name: str, seconds: float = 60.0) -> str:
+        """Runs until ``seconds`` pass or the ``stop:<name>`` key exists."""
+        return run_until_stopped(self, name, seconds)
+
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=CRASHY,
+        lock_key="crash:{name}",
+        lock_ttl=3,
+        acks_late=True,
+        dedupe=None,
+    )
+    def crashy(self: Any, name: str, seconds: float = 60.0) -> str:
+        """Like ``loop``, with a 3 s lock TTL and late acks (redelivered after a crash)."""
+        return run_until_stopped(self, name, seconds)
+
+    @app.task(
+        shared=False, bind=True, base=SingletonTask, name=QUICK, lock_key="quick:{name}", lock_ttl=3
+    )
+    def quick(self: Any, name: str) -> str:
+        record("enter", self)
+        record("exit", self)
+        return name
+
+    return app

@@ -1,0 +1,268 @@
+"""Enqueue dedupe as a publisher sees it: which publishes return the queued job's result.
+
+Identity is the lock key; ``"queued"`` coalesces while the job waits, ``"active"`` also
+while it runs, ``None`` never. Canvas members are never deduplicated, and a lock service
+that is down never stops a publish.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from celery import chain, chord, group
+
+from celery_redlock import SingletonTask
+from celery_redlock.testing import wait_for
+
+from .redlock_testkit import BROKERS, CeleryEnv, Recorder, opened_on_exit, queue_length, run_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("env", BROKERS, indirect=True)
+def test_queued_returns_the_waiting_job_until_it_starts(
+    env: CeleryEnv, make_app: Any, recorder: Recorder
+) -> None:
+    app = make_app()
+    gate = threading.Event()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{account}", dedupe="queued")
+    def sync(self: Any, account: int) -> int:
+        with recorder.span(self.request.id):
+            gate.wait(10)
+        return account
+
+    first = sync.delay(1)
+    assert sync.delay(1).id == first.id
+    assert sync.apply_async((1,)).id == first.id
+    other = sync.delay(2)
+    assert other.id != first.id  # another key is another job
+    assert queue_length(app, env.queue) == 2
+
+    with run_worker(app), opened_on_exit(gate):
+        wait_for(lambda: first.id in recorder.entered, timeout=10, message="first job started")
+        second = sync.delay(1)  # the first one runs: this is a new job
+        assert second.id != first.id
+        gate.set()
+        assert first.get(timeout=10) == 1
+        assert second.get(timeout=10) == 1
+
+    assert [s.task_id for s in recorder.spans if s.task_id != other.id] == [first.id, second.id]
+
+
+def test_active_returns_the_running_job_until_it_ends(make_app: Any, recorder: Recorder) -> None:
+    app = make_app()
+    gate = threading.Event()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{account}", dedupe="active")
+    def sync(self: Any, account: int) -> int:
+        with recorder.span(self.request.id):
+            gate.wait(10)
+        return account
+
+    with run_worker(app), opened_on_exit(gate):
+        first = sync.delay(1)
+        recorder.wait_entered(1)
+        assert sync.delay(1).id == first.id  # still running: the same job
+        gate.set()
+        assert first.get(timeout=10) == 1
+        second = sync.delay(1)  # it ended: a new job
+        assert second.id != first.id
+        assert second.get(timeout=10) == 1
+
+    assert [s.task_id for s in recorder.spans] == [first.id, second.id]
+
+
+def test_none_publishes_every_time(env: CeleryEnv, make_app: Any) -> None:
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="sync:{account}", dedupe=None)
+    def sync(account: int) -> int:
+        return account
+
+    ids = {sync.delay(1).id for _ in range(3)}
+    assert len(ids) == 3
+    assert queue_length(app, env.queue) == 3
+
+
+def test_explicit_task_id_of_the_queued_job_is_that_job(env: CeleryEnv, make_app: Any) -> None:
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="sync:{account}")
+    def sync(account: int) -> int:
+        return account
+
+    queued = sync.apply_async((1,), task_id="job-1")
+    assert queued.id == "job-1"
+    assert sync.apply_async((1,), task_id="job-1").id == "job-1"
+    assert sync.apply_async((1,), task_id="job-2").id == "job-1"
+    assert queue_length(app, env.queue) == 1
+
+    with run_worker(app):
+        assert queued.get(timeout=10) == 1
+
+
+def test_eta_and_countdown_do_not_make_a_job_different(env: CeleryEnv, make_app: Any) -> None:
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="sync:{account}")
+    def sync(account: int) -> int:
+        return account
+
+    later = sync.apply_async((1,), countdown=600)
+    assert sync.delay(1).id == later.id
+    eta = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=900)
+    assert sync.apply_async((1,), eta=eta).id == later.id
+    assert sync.apply_async((1,), countdown=5).id == later.id
+    assert queue_length(app, env.queue) == 1
+    # The marker outlives the delay of the job it stands for (dedupe_ttl + countdown).
+    marker = "redlock:{sync:1}:dedupe"
+    wait_for(lambda: all(env.on_masters(marker)), timeout=5, message="marker on every master")
+    for server in env.masters:
+        with server.client() as conn:
+            assert conn.get(marker) == later.id.encode()
+            assert conn.pttl(marker) > (3600 + 600 - 30) * 1000
+
+
+@pytest.mark.parametrize("canvas", ["chain", "group", "chord", "link"])
+def test_canvas_members_are_never_deduplicated(env: CeleryEnv, make_app: Any, canvas: str) -> None:
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="sync:{account}")
+    def sync(account: int) -> int:
+        return account
+
+    @app.task(base=SingletonTask, lock_key="total:{values}")
+    def total(values: list[int]) -> int:
+        return sum(values)
+
+    @app.task
+    def start() -> str:
+        return "started"
+
+    # Identical jobs wait in the queue (held by the worker until their countdown) the whole
+    # time: a canvas member deduplicated against them would never report its result.
+    standalone = [sync.apply_async((1,), countdown=60), total.apply_async(([1, 1],), countdown=60)]
+
+    with run_worker(app):
+        expected: Any
+        if canvas == "chain":
+            result = chain(start.si(), sync.si(1)).apply_async()
+            expected = 1
+        elif canvas == "group":
+            result = group(sync.s(1), sync.s(1)).apply_async()
+            expected = [1, 1]
+        elif canvas == "chord":
+            result = chord([sync.s(1), sync.s(1)], total.s()).apply_async()
+            expected = 2
+        else:
+            result = start.apply_async(link=sync.si(1))
+            expected = "started"
+        assert result.get(timeout=20) == expected
+        if canvas == "link":
+            [child] = wait_for(lambda: result.children, timeout=10, message="callback sent")
+            assert child.id != standalone[0].id
+            assert child.get(timeout=20) == 1
+        for job in standalone:
+            assert job.state == "PENDING"  # still waiting for its countdown: not run early
+
+
+def test_masters_down_at_publish_publishes_anyway_with_a_warning(
+    env: CeleryEnv, make_app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="sync:{account}")
+    def sync(account: int) -> int:
+        return account
+
+    env.masters[0].kill()
+    env.masters[1].kill()
+    caplog.set_level(logging.WARNING, logger="celery_redlock")
+    started = time.monotonic()
+    first, second = sync.delay(1), sync.delay(1)
+    assert time.monotonic() - started < 3  # the caller (often a web request) is not held up
+
+    assert first.id != second.id  # no dedupe possible, but nothing was dropped either
+    assert queue_length(app, env.queue) == 2
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "dedupe" in r.getMessage()
+    ]
+    assert len(warnings) == 2
+    assert first.id in warnings[0].getMessage()
+    assert "sync:1" in warnings[0].getMessage()
+
+
+def test_non_json_arguments_key_stably(env: CeleryEnv, make_app: Any, recorder: Recorder) -> None:
+    app = make_app()
+    gate = threading.Event()
+    seen: list[str] = []
+
+    @app.task(bind=True, base=SingletonTask)
+    def refund(self: Any, order: uuid.UUID, at: dt.datetime, amount: Decimal) -> str:
+        assert isinstance(order, uuid.UUID)  # kombu's json carries these types through
+        seen.append(self.request.redlock_key)
+        with recorder.span(self.request.id):
+            gate.wait(10)
+        return str(amount)
+
+    order = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    at = dt.datetime(2024, 5, 1, 3, 0, tzinfo=dt.timezone.utc)
+    first = refund.delay(order, at, Decimal("9.90"))
+    # Equal values built anew (another UUID object, another zone, another exponent): the same job.
+    same = refund.delay(
+        uuid.UUID(str(order)),
+        at.astimezone(dt.timezone(dt.timedelta(hours=2))),
+        Decimal("9.9"),
+    )
+    assert same.id == first.id
+    assert refund.delay(order, at, Decimal("9.91")).id != first.id
+    key = refund.redlock_options().lock_key((order, at, Decimal("9.90")), {})
+    marker = f"redlock:{{{key}}}:dedupe"
+    assert env.on_quorum(marker)
+
+    with run_worker(app), opened_on_exit(gate):
+        wait_for(lambda: first.id in recorder.entered, timeout=10, message="first job started")
+        # The worker rebuilt the same key from the deserialized arguments: its lock is on
+        # the publisher's key, and taking it cleared the publisher's marker.
+        assert seen[recorder.entered.index(first.id)] == key
+        assert env.on_quorum(f"redlock:{{{key}}}")
+        assert not env.on_quorum(marker)
+        assert refund.delay(order, at, Decimal("9.90")).id != first.id
+        gate.set()
+        assert first.get(timeout=10) == "9.90"
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_job_that_met_the_lock_leaves_no_marker_behind(
+    make_app: Any, recorder: Recorder, policy: str
+) -> None:
+    app = make_app()
+    gate = threading.Event()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{account}", on_contention=policy)
+    def sync(self: Any, account: int) -> int:
+        with recorder.span(self.request.id):
+            gate.wait(10)
+        return account
+
+    with run_worker(app), opened_on_exit(gate):
+        running = sync.delay(1)
+        recorder.wait_entered(1)
+        turned_away = sync.delay(1)  # a new job: the first one started
+        assert turned_away.id != running.id
+        final = "IGNORED" if policy == "skip" else "FAILURE"
+        wait_for(lambda: turned_away.state == final, timeout=10, message=f"{final} stored")
+        gate.set()
+        assert running.get(timeout=10) == 1
+        # Nothing runs any more: the next publish is a new job that runs, not the old one.
+        later = sync.delay(1)
+        assert later.id != turned_away.id
+        assert later.get(timeout=10) == 1

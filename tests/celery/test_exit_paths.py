@@ -1,0 +1,197 @@
+"""How a run ends, in-process: exceptions and retries release the lock, a retry is never
+blocked by its own lock or dedupe marker, and a lost lock is reported or interrupts the body.
+
+(Exit paths that need a process to die, such as time limits, revoke with terminate and
+SIGKILL, are in test_prefork.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from celery.signals import before_task_publish
+
+from celery_redlock import LockLost, LockLostInterrupt, Redlock, SingletonTask
+from celery_redlock.testing import wait_for
+
+from .redlock_testkit import CeleryEnv, Recorder, SignalLog, opened_on_exit, run_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_an_exception_in_the_body_releases_the_lock(
+    env: CeleryEnv, make_app: Any, recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="import:{n}", lock_ttl=30)
+    def import_file(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            raise Boom(n)
+
+    lock, meta = env.lock_names("import:1")
+    with run_worker(app):
+        started = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(Boom):
+                import_file.delay(1).get(timeout=10)
+        wait_for(lambda: not any(env.on_masters(lock)), timeout=5, message="lock released")
+        # Two runs back to back, both long before lock_ttl: nothing waited for an expiry.
+        assert time.monotonic() - started < 10
+    assert len(recorder.spans) == 2
+    assert env.on_masters(meta) == [False] * 3
+
+
+@pytest.mark.parametrize("dedupe", ["queued", "active"])
+def test_retry_runs_again_unblocked_by_its_own_lock_or_marker(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog, dedupe: str
+) -> None:
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="fetch:{url}", dedupe=dedupe, max_retries=3)
+    def fetch(self: Any, url: str) -> int:
+        with recorder.span(self.request.id):
+            attempt = self.request.retries
+        if attempt < 2:
+            # countdown=0: the retry message is back in the queue at once, so a second
+            # worker thread takes it while this one is still unwinding.
+            raise self.retry(countdown=0 if attempt == 0 else 0.2)
+        return attempt
+
+    lock = env.lock_names("fetch:a")[0]
+    marker = "redlock:{fetch:a}:dedupe"
+    at_retry_publish: list[tuple[bool, bool]] = []
+
+    def on_publish(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if headers and headers.get("retries"):
+            at_retry_publish.append((env.on_quorum(lock), env.on_quorum(marker)))
+
+    before_task_publish.connect(on_publish, weak=False, dispatch_uid="test_retry.on_publish")
+    try:
+        with run_worker(app):
+            result = fetch.delay("a")
+            assert result.get(timeout=20) == 2
+    finally:
+        before_task_publish.disconnect(dispatch_uid="test_retry.on_publish")
+
+    assert [s.task_id for s in recorder.spans] == [result.id] * 3
+    starts = [s.enter for s in recorder.spans]
+    assert starts == sorted(starts)
+    assert signal_log.of("lock_contended", task_id=result.id) == []
+    assert signal_log.of("duplicate_dropped") == []
+    # Released before the retry message went out; an "active" job stays deduplicated while
+    # it waits for its retry (its marker stays), a "queued" one lost its marker at start.
+    assert at_retry_publish == [(False, dedupe == "active")] * 2
+
+
+def test_contention_reschedules_do_not_use_up_max_retries(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog
+) -> None:
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="mail:{n}", max_retries=1)
+    def mail(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            retries = self.request.retries
+        if retries == 0:
+            raise self.retry(countdown=0)
+        return retries
+
+    holder = Redlock(env.masters.urls).acquire("mail:1", ttl=30)
+    try:
+        with run_worker(app):
+            result = mail.delay(1)
+            wait_for(
+                lambda: len(signal_log.of("lock_contended", task_id=result.id)) >= 3,
+                timeout=15,
+                message="three contention reschedules",
+            )
+            assert recorder.spans == []
+            holder.release()
+            assert result.get(timeout=15) == 1
+    finally:
+        holder.release()
+    assert len(recorder.spans) == 2
+
+
+def test_interrupt_stops_a_body_whose_lock_was_lost(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    app = make_app()
+    saw: list[BaseException] = []
+    running = threading.Event()
+
+    @app.task(
+        bind=True, base=SingletonTask, lock_key="sweep:{n}", lock_ttl=1.5, on_lock_lost="interrupt"
+    )
+    def sweep(self: Any, n: int) -> str:
+        deadline = time.monotonic() + 10
+        try:
+            running.set()
+            while time.monotonic() < deadline:  # pure Python work: interruptible
+                sum(range(1000))
+        except LockLostInterrupt as exc:
+            saw.append(exc)
+            raise
+        return "finished"  # not interrupted: the test fails below
+
+    lock, meta = env.lock_names("sweep:1")
+    with run_worker(app):
+        result = sweep.delay(1)
+        assert running.wait(10)
+        wait_for(lambda: all(env.on_masters(lock)), timeout=5, message="lock on all masters")
+        env.delete_on_masters(lock, meta)  # an operator (or an expiry) took it away
+        lost_at = time.monotonic()
+        with pytest.raises(LockLost):
+            result.get(timeout=10)
+        stopped_after = time.monotonic() - lost_at
+
+    assert len(saw) == 1
+    # Noticed at the next renewal (every lock_ttl/3), well before the body's 10 s were up.
+    assert stopped_after < 5
+    fresh = AsyncResult(result.id, app=app)
+    assert fresh.state == "FAILURE"
+    assert isinstance(fresh.result, LockLost)
+    [lost] = signal_log.of("lock_lost", task_id=result.id)
+    assert lost["key"] == "sweep:1"
+    assert lost["policy"] == "interrupt"
+
+
+def test_log_policy_signals_the_loss_and_lets_the_body_finish(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    app = make_app()
+    running = threading.Event()
+    held_after: list[bool] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sweep:{n}", lock_ttl=1.5, on_lock_lost="log")
+    def sweep(self: Any, n: int) -> str:
+        running.set()
+        deadline = time.monotonic() + 10
+        while self.lease.held and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held_after.append(self.lease.held)
+        return "finished"
+
+    lock, meta = env.lock_names("sweep:2")
+    with run_worker(app), opened_on_exit(running):
+        result = sweep.delay(2)
+        assert running.wait(10)
+        wait_for(lambda: all(env.on_masters(lock)), timeout=5, message="lock on all masters")
+        env.delete_on_masters(lock, meta)
+        assert result.get(timeout=15) == "finished"
+
+    assert held_after == [False]
+    [lost] = signal_log.of("lock_lost", task_id=result.id)
+    assert lost["key"] == "sweep:2"
+    assert lost["policy"] == "log"
+    assert lost["reason"]
+    assert lost["lease"].held is False

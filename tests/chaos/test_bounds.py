@@ -1,0 +1,47 @@
+"""Direct checks of bounds the scenarios found broken (each fails without its fix)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from celery_redlock.lock import Redlock
+from celery_redlock.lock import master as master_module
+from celery_redlock.testing import Masters
+
+from .proxy import ProxyProcess
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def slow_masters(masters: Masters) -> Iterator[ProxyProcess]:
+    master_module._known_run_ids.clear()
+    proxy = ProxyProcess([(m.host, m.port) for m in masters])
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        master_module._known_run_ids.clear()
+
+
+def test_a_connect_costs_one_round_trip(slow_masters: ProxyProcess) -> None:
+    """Scenario s11: redis-py's CLIENT SETINFO (two extra round trips per connect, each
+    bounded by the read timeout alone) made a connect to a slow master cost three round
+    trips, and the connects of one round add up: a renewal round took longer than the
+    TTL with every master answering within node_timeout."""
+    rtt = 0.1
+    slow_masters.set("*", "delay", rtt / 2, rtt / 2)
+    rl = Redlock(slow_masters.urls(), node_timeout=0.3)
+    try:
+        started = time.monotonic()
+        lease = rl.acquire("k", 5)
+        took = time.monotonic() - started
+        # 3 connects (one handshake round trip each) + the acquire round trip; with
+        # SETINFO it was 3 x 3 + 1 round trips (about 1.0 s).
+        assert took < 4 * rtt + 0.3, f"acquire through {rtt}s RTT took {took:.3f}s"
+        assert lease.release()
+    finally:
+        rl.close()

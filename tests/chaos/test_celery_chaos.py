@@ -1,0 +1,349 @@
+"""Celery under faults: real ``celery worker`` / ``celery beat`` processes, Redis broker.
+
+14. Broker redelivery: ``acks_late`` with a visibility timeout shorter than the task (the
+    broker hands a running task to another worker), a worker SIGKILLed mid-task, and a
+    majority of the lock's masters down for a while. No two runs of one key may overlap,
+    no body may start without a quorum, every submitted task must finish once healed.
+    Negative control: the same tasks without the lock (``plain``).
+15. Three beat processes, the leader (mostly) SIGKILLed every few seconds and restarted:
+    every occurrence of every entry runs exactly once, none skipped. Negative control:
+    leadership off (``redlock_beat_leader=False``), where every beat sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redlock.testing import Masters, RedisServer, start_masters, wait_for
+
+from . import checker
+from .checker import ANY, SOME
+from .history import History, load
+from .resource import counters, read_log
+from .run import Agent, group_pids
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
+
+
+class CeleryRun:
+    """Masters, broker, resource, and celery processes of ``tests.chaos.celeryproj``."""
+
+    def __init__(self, workdir: Path, **env: str) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.history_path = workdir / "history.jsonl"
+        self.history_path.touch()
+        self.h = History(self.history_path, "injector")
+        self.masters: Masters = start_masters(3)
+        self.broker = RedisServer()
+        self.resource = RedisServer()
+        self.env = {
+            "CHAOS_HISTORY": str(self.history_path),
+            "CHAOS_BROKER": self.broker.url,
+            "CHAOS_MASTERS": ",".join(self.masters.urls),
+            "CHAOS_RESOURCE": self.resource.url,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            **env,
+        }
+        self.procs: dict[str, Agent] = {}
+        self._count = 0
+
+    def _spawn(self, name: str, argv: list[str]) -> Agent:
+        self._count += 1
+        proc = Agent(
+            self._count,
+            name,
+            argv,
+            self.workdir / f"{name}.log",
+            env={**self.env, "CHAOS_NAME": name},
+        )
+        self.h.write("spawn", target=name, target_pid=proc.pid)
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, name: str, concurrency: int = 2) -> Agent:
+        return self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.chaos.celeryproj",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                str(concurrency),
+                "-n",
+                f"{name}@chaos",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "info",
+            ],
+        )
+
+    def beat(self, name: str) -> Agent:
+        return self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.chaos.celeryproj",
+                "beat",
+                "-s",
+                str(self.workdir / f"{name}-schedule"),
+                "--pidfile=",
+                "-l",
+                "info",
+            ],
+        )
+
+    def wait_ready(self, proc: Agent, pattern: str, timeout: float = 60.0) -> None:
+        def ready() -> bool:
+            if not proc.alive:
+                raise RuntimeError(f"{proc.name} exited:\n{self.log(proc.name)}")
+            return pattern in proc.log_path.read_text(errors="replace")
+
+        wait_for(ready, timeout=timeout, interval=0.1, message=f"{proc.name} not ready")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and its pool children, each recorded as killed."""
+        proc = self.procs[name]
+        for pid in group_pids(proc.pid):
+            self.h.write("kill", target=name, target_pid=pid)
+        proc.signal(signal.SIGKILL, group=True)
+        proc.popen.wait(timeout=10)
+
+    def stop(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.alive:
+            proc.signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout=15)
+            except Exception:  # noqa: BLE001 - a hung process is killed
+                proc.signal(signal.SIGKILL, group=True)
+                proc.popen.wait(timeout=10)
+        proc.signal(signal.SIGKILL, group=True)
+
+    def send(self, task: str, item: str, *args: Any) -> None:
+        self.h.write("submit", item=item, task=task)
+        with contextlib.closing(Celery(broker=self.broker.url)) as app:
+            app.send_task(task, args=[item, *args])
+
+    def events(self) -> list[dict[str, Any]]:
+        h = History(self.history_path, "store")
+        with self.resource.client() as conn:
+            t = time.monotonic_ns()
+            for entry in read_log(conn):
+                h.write_at(entry.pop("t"), "store", **entry)
+            for key, value in counters(conn).items():
+                h.write_at(t, "counter_final", key=key, value=value)
+        h.close()
+        return load(self.history_path)
+
+    def done_items(self) -> set[str]:
+        return {e["item"] for e in load(self.history_path) if e["ev"] == "done"}
+
+    def log(self, name: str) -> str:
+        proc = self.procs[name]
+        with contextlib.suppress(FileNotFoundError):
+            return "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-60:])
+        return ""
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}:\n{self.log(name)}" for name in self.procs)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.signal(signal.SIGCONT, group=True)
+            proc.signal(signal.SIGKILL, group=True)
+            with contextlib.suppress(Exception):
+                proc.popen.wait(timeout=10)
+        self.h.close()
+        self.masters.stop_all()
+        self.broker.close()
+        self.resource.close()
+
+
+def _record(
+    chaos_record: Any, scenario: str, variant: str, title: str, report: Any, seconds: float
+) -> None:
+    chaos_record(
+        scenario=scenario,
+        variant=variant,
+        title=title,
+        outcome="passed" if report.ok else "failed",
+        seconds=seconds,
+        summary=report.summary(),
+        verdicts={
+            name: {
+                "violations": v.violations,
+                "label": v.label,
+                "applicable": v.applicable,
+                "measure": v.measure,
+            }
+            for name, v in report.verdicts.items()
+        },
+    )
+
+
+# -- 14 ---------------------------------------------------------------------------------------
+
+S14_TITLE = "Celery: acks_late redelivery (visibility < task), worker SIGKILL, quorum outage"
+
+
+def _cases14() -> list[Any]:
+    return [
+        pytest.param("correct", id="s14-correct"),
+        pytest.param("plain", id="s14-plain", marks=pytest.mark.chaos_full),
+    ]
+
+
+@pytest.mark.parametrize("variant", _cases14())
+def test_s14_redelivery_and_killed_worker(variant: str, tmp_path: Path, chaos_record: Any) -> None:
+    started = time.monotonic()
+    task = "chaos.work" if variant == "correct" else "chaos.plain_work"
+    run = CeleryRun(tmp_path / "run", CHAOS_VISIBILITY="1.5", CHAOS_LOCK_TTL="2")
+    try:
+        workers = [run.worker("w0"), run.worker("w1")]
+        for w in workers:
+            run.wait_ready(w, "ready.")
+        items = [(f"i{n}", f"k{n % 3}") for n in range(6)]
+        for item, key in items:
+            run.send(task, item, key, 2.5)
+        time.sleep(1.5)
+        run.kill("w0")  # mid-task: its messages are unacked
+        time.sleep(1.0)
+        run.worker("w0")
+        time.sleep(1.0)
+        run.h.write("fault_start", fault="kill_master", target="m0,m1")
+        run.masters[0].kill()
+        run.masters[1].kill()
+        run.h.write("quorum_lost")
+        time.sleep(2.5)
+        run.h.write("quorum_back")
+        run.masters[0].start()
+        run.masters[1].start()
+        run.h.write("fault_end", fault="kill_master", target="m0,m1")
+        wanted = {item for item, _ in items}
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: wanted <= run.done_items(), timeout=90, interval=0.25)
+        for name in list(run.procs):
+            run.stop(name)
+        expect = {"takeover": ANY, "recovered": ANY}
+        if variant == "plain":
+            expect.update(
+                overlap=SOME,
+                overlap_in_validity=SOME,
+                no_quorum_run=SOME,
+                lost_update_unfenced=ANY,
+                lost_update_fenced=ANY,
+                stale_write_accepted=ANY,
+                fence_order=ANY,
+                token_order=ANY,
+            )
+        report = checker.check(run.events(), expect=expect)
+        (run.workdir / "report.txt").write_text(report.format())
+        _record(chaos_record, "s14", variant, S14_TITLE, report, time.monotonic() - started)
+        assert report.ok, f"{report.format()}\n{run.logs()}"
+    finally:
+        run.close()
+
+
+# -- 15 ---------------------------------------------------------------------------------------
+
+S15_TITLE = "Celery beat: 3 beats, the leader SIGKILLed every few seconds and restarted"
+S15R_TITLE = "Celery beat: the same, a killed beat restarted after 1-2.5 s (may lead at once)"
+
+
+@pytest.mark.parametrize(
+    ("variant", "respawn"),
+    [
+        # Default: a killed beat comes back once another one leads (it joins as standby).
+        pytest.param("correct", "standby", id="s15-correct"),
+        # Full matrix: it comes back after a random 1-2.5 s, possibly just as the dead
+        # leader's lease runs out, so that it leads at its first try.
+        pytest.param("correct", "random", id="s15r-correct", marks=pytest.mark.chaos_full),
+        pytest.param("leaderless", "random", id="s15-leaderless", marks=pytest.mark.chaos_full),
+    ],
+)
+def test_s15_beats_with_random_kills(
+    variant: str, respawn: str, tmp_path: Path, chaos_record: Any
+) -> None:
+    started = time.monotonic()
+    rng = random.Random(15)
+    run = CeleryRun(
+        tmp_path / "run",
+        CHAOS_SCHEDULE=json.dumps({"e1": 1.0, "e2": 1.5}),
+        CHAOS_BEAT_TTL="2",
+        CHAOS_BEAT_LEADER="1" if variant == "correct" else "0",
+    )
+
+    def leaders() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in load(run.history_path)
+            if e["ev"] == "beat_status" and e["status"] == "leader"
+        ]
+
+    try:
+        worker = run.worker("w0", concurrency=2)
+        run.wait_ready(worker, "ready.")
+        beats = [f"b{i}" for i in range(3)]
+        for name in beats:
+            run.beat(name)
+        end = time.monotonic() + 24
+        time.sleep(3)
+        while time.monotonic() < end:
+            current = leaders()
+            leader = current[-1]["proc"] if current else None
+            victim = leader if leader and rng.random() < 0.7 else rng.choice(beats)
+            if run.procs[victim].alive:
+                run.kill(victim)
+            killed_at = time.monotonic_ns()
+            if respawn == "standby" and victim == leader:
+                wait_for(
+                    lambda since=killed_at: any(e["t"] > since for e in leaders()),
+                    timeout=15,
+                    interval=0.1,
+                    message="no beat took over from the killed leader",
+                )
+                time.sleep(rng.uniform(0.0, 1.0))
+            else:
+                time.sleep(rng.uniform(1.0, 2.5))
+            run.beat(victim)
+            time.sleep(rng.uniform(2.0, 4.0))
+        run.h.write("fault_end", fault="beat_kills", target="beats")
+        time.sleep(3)  # let the last leader send what is due
+        for name in beats:
+            run.stop(name)
+        time.sleep(2)  # the worker drains the queue
+        run.stop("w0")
+        expect = {"beat_once": SOME} if variant == "leaderless" else {}
+        expect["recovered"] = ANY
+        report = checker.check(run.events(), expect=expect)
+        (run.workdir / "report.txt").write_text(report.format())
+        scenario, title = (
+            ("s15r", S15R_TITLE)
+            if respawn == "random" and variant == "correct"
+            else ("s15", S15_TITLE)
+        )
+        _record(chaos_record, scenario, variant, title, report, time.monotonic() - started)
+        assert report.ok, f"{report.format()}\n{run.logs()}"
+    finally:
+        run.close()

@@ -1,0 +1,269 @@
+"""Helpers for the lock core's tests (``tests/core``).
+
+Everything here talks to real ``redis-server`` masters (started by the fixtures in
+``tests/conftest.py``); nothing stands in for Redis.
+
+This file is also a script: ``python tests/core/helpers.py holder ...`` is the worker the
+multi-process tests start. It runs in its own interpreter, so it shares nothing with the
+test process but the masters, and records every hold it had as one JSON line
+``[enter_ns, exit_ns, fence, pid]`` (``time.monotonic_ns()`` is system-wide on Linux, so
+the intervals of several processes can be compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from celery_redlock.exceptions import LockContended, LockLost, QuorumUnavailable
+from celery_redlock.keys import redis_key
+from celery_redlock.lock import Redlock, heartbeat
+from celery_redlock.lock import master as master_module
+from celery_redlock.testing import RedisServer
+
+__all__ = [
+    "Ledger",
+    "assert_no_overlap",
+    "clean_state",
+    "command_calls",
+    "keys_on",
+    "lock_name",
+    "make_redlock",
+    "open_fds",
+    "run_holders",
+    "start_holders",
+    "wait_holders",
+]
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+PREFIX = "redlock"
+
+_made: list[Redlock] = []
+
+
+# -- clients and state ------------------------------------------------------------------------
+
+
+def make_redlock(masters: Sequence[Any], **kwargs: Any) -> Redlock:
+    """A :class:`Redlock` over ``masters`` (servers or specs), closed after the test."""
+    specs = [m.url if isinstance(m, RedisServer) else m for m in masters]
+    rl = Redlock(specs, **kwargs)
+    _made.append(rl)
+    return rl
+
+
+def clean_state() -> Iterator[None]:
+    """Body of each module's autouse fixture.
+
+    Before: forget the run_ids this process has seen. They are kept per master address
+    for the whole process (so a new client still notices a restart), and a port that
+    a later test's server happens to reuse would otherwise look like a restarted master
+    and be kept out of the quorum.
+    After: stop renewing leases a failed test left behind, close every client made here.
+    """
+    master_module._known_run_ids.clear()
+    yield
+    made = set(map(id, _made))
+    current = heartbeat._engine
+    if current is not None:
+        for lease in current.leases():
+            if id(lease.redlock) in made:
+                current.remove(lease)
+    for rl in _made:
+        rl.close()
+    _made.clear()
+    master_module._known_run_ids.clear()
+
+
+def lock_name(key: str, suffix: str | None = None) -> str:
+    return redis_key(PREFIX, key, suffix)
+
+
+def keys_on(server: RedisServer) -> dict[str, int]:
+    """Every key on ``server`` with its PTTL in ms (-1: no expiry)."""
+    with server.client(decode_responses=True) as conn:
+        return {name: conn.pttl(name) for name in conn.scan_iter(count=1000)}
+
+
+def value_on(server: RedisServer, name: str) -> str | None:
+    with server.client(decode_responses=True) as conn:
+        value = conn.get(name)
+        return None if value is None else str(value)
+
+
+def command_calls(server: RedisServer, command: str = "evalsha") -> int:
+    """How many times ``server`` ran ``command`` (``INFO commandstats``), scripts included."""
+    with server.client() as conn:
+        stats = conn.info("commandstats")
+    entry = stats.get(f"cmdstat_{command.lower()}")
+    return int(entry["calls"]) if entry else 0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# -- recording holds ------------------------------------------------------------------------
+
+
+class Ledger:
+    """Thread-safe record of holds: ``(enter_ns, exit_ns, who)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holds: list[tuple[int, int, object]] = []
+        self.errors: list[BaseException] = []
+
+    def record(self, enter: int, leave: int, who: object) -> None:
+        with self._lock:
+            self.holds.append((enter, leave, who))
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+
+
+def assert_no_overlap(holds: Iterable[Sequence[Any]]) -> None:
+    """Holds are ``(enter_ns, exit_ns, ...)``; no two may overlap in time."""
+    ordered = sorted(holds, key=lambda h: h[0])
+    for before, after in itertools.pairwise(ordered):
+        assert before[1] < after[0], f"two holders at once: {before} and {after}"
+
+
+# -- holder processes -----------------------------------------------------------------------
+
+
+def start_holders(
+    count: int,
+    urls: Sequence[str],
+    out_dir: Path,
+    *,
+    key: str,
+    acquisitions: int,
+    ttl: float = 5.0,
+    fence: bool = False,
+    budget: float = 60.0,
+    restart_quarantine: float | None = None,
+) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """Start ``count`` holder processes on ``key``; see :func:`wait_holders`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    started = []
+    for i in range(count):
+        out = out_dir / f"holder-{i}.jsonl"
+        args = [
+            sys.executable,
+            str(HERE),
+            "holder",
+            "--urls",
+            json.dumps(list(urls)),
+            "--key",
+            key,
+            "--acquisitions",
+            str(acquisitions),
+            "--ttl",
+            str(ttl),
+            "--budget",
+            str(budget),
+            "--out",
+            str(out),
+        ]
+        if fence:
+            args.append("--fence")
+        if restart_quarantine is not None:
+            args += ["--restart-quarantine", str(restart_quarantine)]
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started.append((proc, out))
+    return started
+
+
+def read_holds(path: Path) -> list[list[Any]]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("]")]
+
+
+def wait_holders(
+    started: list[tuple[subprocess.Popen[bytes], Path]], timeout: float
+) -> list[list[Any]]:
+    """Wait for the holders (killing them past ``timeout``); return every hold recorded."""
+    deadline = time.monotonic() + timeout
+    failures = []
+    for proc, _ in started:
+        try:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            failures.append(f"pid {proc.pid} still running after {timeout}s")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"pid {proc.pid} exited {proc.returncode}: {err.decode()[-2000:]}")
+    assert not failures, failures
+    holds: list[list[Any]] = []
+    for _, out in started:
+        holds += read_holds(out)
+    return holds
+
+
+def run_holders(count: int, urls: Sequence[str], out_dir: Path, **kwargs: Any) -> list[list[Any]]:
+    timeout = kwargs.get("budget", 60.0) + 30.0
+    return wait_holders(start_holders(count, urls, out_dir, **kwargs), timeout)
+
+
+def _holder(args: argparse.Namespace) -> int:
+    """Acquire ``key`` ``acquisitions`` times (or until ``budget`` runs out), recording holds."""
+    rl = Redlock(json.loads(args.urls), restart_quarantine=args.restart_quarantine)
+    end = time.monotonic() + args.budget
+    done = 0
+    with open(args.out, "w", buffering=1) as out:
+        while done < args.acquisitions and time.monotonic() < end:
+            try:
+                lease = rl.acquire(args.key, args.ttl, blocking_timeout=2.0)
+            except (LockContended, QuorumUnavailable):
+                continue
+            enter = time.monotonic_ns()
+            token: int | None = None
+            if args.fence:
+                with contextlib.suppress(LockLost, QuorumUnavailable):
+                    token = lease.fence
+            leave = time.monotonic_ns()
+            valid = lease.held  # still valid after `leave`, so valid during [enter, leave]
+            lease.release()
+            if valid:
+                out.write(json.dumps([enter, leave, token, os.getpid()]) + "\n")
+                done += 1
+    rl.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    holder = sub.add_parser("holder")
+    holder.add_argument("--urls", required=True, help="JSON list of master URLs")
+    holder.add_argument("--key", required=True)
+    holder.add_argument("--acquisitions", type=int, required=True)
+    holder.add_argument("--ttl", type=float, default=5.0)
+    holder.add_argument("--budget", type=float, default=60.0)
+    holder.add_argument("--out", required=True)
+    holder.add_argument("--fence", action="store_true")
+    holder.add_argument("--restart-quarantine", type=float, default=None)
+    args = parser.parse_args(argv)
+    return _holder(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

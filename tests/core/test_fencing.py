@@ -1,0 +1,159 @@
+"""Fencing tokens: strictly increasing across successive holders of a key, whatever happens."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_redlock.exceptions import LockLost
+from celery_redlock.testing import Masters, wait_for
+
+from . import helpers
+from .helpers import command_calls, lock_name, make_redlock, value_on
+
+#: A token from a holder whose wall clock ran ~11 days ahead: time seeding alone cannot
+#: beat it, only reading the counters can.
+AHEAD_US = 10**12
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    yield from helpers.clean_state()
+
+
+def assert_fences_increase(holds: list[list[Any]]) -> None:
+    """Holds are ``[enter_ns, exit_ns, fence, pid]``: disjoint, and fences rise with time."""
+    helpers.assert_no_overlap(holds)
+    fences = [fence for _, _, fence, _ in sorted(holds) if fence is not None]
+    for before, after in itertools.pairwise(fences):
+        assert before < after, f"token {after} handed out after {before}"
+
+
+@pytest.mark.parametrize("masters", [1, 3, 5], indirect=True)
+def test_successive_holders_get_larger_tokens(masters: Masters) -> None:
+    one, two = make_redlock(masters), make_redlock(masters)
+    tokens = []
+    for i in range(30):
+        with (one if i % 2 else two).lock("seq", 5) as lease:
+            tokens.append(lease.fence)
+    assert tokens == sorted(set(tokens))
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_tokens_increase_across_processes(masters: Masters, tmp_path: Path) -> None:
+    holds = helpers.run_holders(
+        3, masters.urls, tmp_path, key="fenced", acquisitions=700, fence=True, budget=90
+    )
+    assert len(holds) == 3 * 700
+    assert sum(fence is None for _, _, fence, _ in holds) == 0
+    assert_fences_increase(holds)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("masters", [3, 5], indirect=True)
+def test_tokens_increase_while_masters_restart_empty(masters: Masters, tmp_path: Path) -> None:
+    """Masters restart without persistence, one at a time, while 3 processes take turns."""
+    started = helpers.start_holders(
+        3, masters.urls, tmp_path, key="chaos", acquisitions=250, ttl=1.0, fence=True, budget=60
+    )
+    outputs = [out for _, out in started]
+
+    def progress() -> int:
+        return sum(len(helpers.read_holds(out)) for out in outputs)
+
+    try:
+        for turn in range(2 * len(masters)):
+            seen = progress()
+            # Let the holders take the lock a few times with this master back, then crash
+            # the next one (never two at once: a majority stays up).
+            wait_for(lambda s=seen: progress() >= s + 25, timeout=30)
+            masters[turn % len(masters)].restart(keep_data=False)
+    finally:
+        holds = helpers.wait_holders(started, timeout=90)
+    assert len(holds) == 3 * 250
+    assert_fences_increase(holds)
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+@pytest.mark.parametrize(
+    "counters",
+    [(5, 0, 0), (AHEAD_US, 0, 0), (AHEAD_US, AHEAD_US, 0), (0, 0, AHEAD_US)],
+    ids=["5-0-0", "ahead-0-0", "ahead-ahead-0", "0-0-ahead"],
+)
+def test_token_beats_every_counter_a_master_reports(
+    masters: Masters, counters: tuple[int, int, int]
+) -> None:
+    """The issue's 5,0,0 case: the last token lives on master 0, which the new holder
+    does not hold (someone's stale key is still there); it wins on masters 1 and 2."""
+    now_us = time.time_ns() // 1000  # the counters are wall-clock seeded
+    values = [c + now_us if c >= AHEAD_US else c for c in counters]
+    fence_key = lock_name("k", "fence")
+    for server, value in zip(masters, values, strict=True):
+        with server.client() as conn:
+            if value:
+                conn.set(fence_key, value)
+    with masters[0].client() as conn:
+        conn.set(lock_name("k"), "stale-holder", px=30000)
+    rl = make_redlock(masters)
+    lease = rl.acquire("k", 10)
+    assert [value_on(s, lock_name("k")) for s in masters] == ["stale-holder"] + [lease.token] * 2
+    token = lease.fence
+    assert token > max(values)
+    for server in masters[1:]:  # committed on the majority that holds the lock
+        assert int(value_on(server, fence_key) or 0) == token
+    lease.release()
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_fence_read_twice_costs_one_round(masters: Masters) -> None:
+    rl = make_redlock(masters)
+    lease = rl.acquire("twice", 10)
+    before = [command_calls(s) for s in masters]
+    first = lease.fence
+    after_first = [command_calls(s) for s in masters]
+    assert [a - b for a, b in zip(after_first, before, strict=True)] == [1, 1, 1]
+    assert lease.fence == first
+    assert lease.fence == first
+    assert [command_calls(s) for s in masters] == after_first
+    lease.release()
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_fence_after_expiry_raises_lock_lost_without_a_round(masters: Masters) -> None:
+    rl = make_redlock(masters, node_timeout=0.05)
+    lease = rl.acquire("late", 0.3)
+    wait_for(lambda: not lease.held, timeout=2)
+    before = [command_calls(s) for s in masters]
+    with pytest.raises(LockLost):
+        _ = lease.fence
+    assert [command_calls(s) for s in masters] == before
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_fence_of_a_lock_taken_away_raises_lock_lost(masters: Masters) -> None:
+    rl = make_redlock(masters)
+    lease = rl.acquire("taken", 10)
+    for server in masters[:2]:
+        with server.client() as conn:
+            conn.set(lock_name("taken"), "intruder", px=10000)
+    with pytest.raises(LockLost):
+        _ = lease.fence
+    assert lease.state == "lost"
+    assert not lease.held
+    for server in masters[:2]:
+        assert value_on(server, lock_name("taken", "fence")) is None
+
+
+@pytest.mark.parametrize("masters", [1, 3], indirect=True)
+def test_fence_counter_lives_fence_ttl(masters: Masters) -> None:
+    rl = make_redlock(masters, fence_ttl=60)
+    with rl.lock("ttl", 5) as lease:
+        _ = lease.fence
+    for server in masters:
+        with server.client() as conn:
+            assert 59_000 < conn.pttl(lock_name("ttl", "fence")) <= 60_000

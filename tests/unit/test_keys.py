@@ -1,0 +1,519 @@
+"""Lock keys: which calls share a lock, what operators read in Redis, and what is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+from kombu.utils.json import dumps as kombu_dumps
+from kombu.utils.json import loads as kombu_loads
+from redis.crc import key_slot
+
+from celery_redlock.exceptions import ImproperlyConfigured
+from celery_redlock.keys import (
+    KeyArgumentError,
+    arguments_digest,
+    bind_arguments,
+    compile_lock_key,
+    occurrence_key,
+    redis_key,
+    split_redis_key,
+    validate_prefix,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+UTC = dt.timezone.utc
+# Naive on purpose: a naive and an aware datetime must never share a key.
+NAIVE = dt.datetime(2024, 5, 1, 3)  # noqa: DTZ001
+
+
+def sync(account_id: Any, day: Any = None, *, full: Any = False) -> None:
+    """A stand-in task body."""
+
+
+def one(value: Any) -> None:
+    """A task taking a single argument."""
+
+
+def key_of(value: Any) -> str:
+    return compile_lock_key(None, one, "proj.one")((value,), {})
+
+
+# -- binding ------------------------------------------------------------------------------
+
+
+def test_positional_keyword_and_default_spellings_of_one_call_bind_alike() -> None:
+    expected = {"account_id": 42, "day": None, "full": False}
+    assert bind_arguments(sync, (42,), {}) == expected
+    assert bind_arguments(sync, (), {"account_id": 42}) == expected
+    assert bind_arguments(sync, (42, None), {"full": False}) == expected
+
+
+def test_catch_all_keywords_are_merged_by_name_and_extra_positionals_kept() -> None:
+    def task(a: Any, *rest: Any, **extra: Any) -> None: ...
+
+    bound = bind_arguments(task, (1, 2, 3), {"region": "eu", "tier": 2})
+    assert bound == {"a": 1, "rest": (2, 3), "region": "eu", "tier": 2}
+
+
+def test_a_bound_run_method_binds_without_self() -> None:
+    class Task:
+        def run(self, account_id: Any) -> None: ...
+
+    assert bind_arguments(Task().run, (7,), {}) == {"account_id": 7}
+
+
+def test_arguments_that_do_not_fit_the_signature_raise_type_error() -> None:
+    with pytest.raises(TypeError):
+        bind_arguments(sync, (), {})
+    with pytest.raises(TypeError):
+        bind_arguments(sync, (1,), {"nope": 2})
+
+
+# -- the default key ----------------------------------------------------------------------
+
+
+def test_default_key_is_task_name_and_a_digest_of_the_arguments() -> None:
+    build = compile_lock_key(None, sync, "proj.sync")
+    key = build((42,), {})
+    name, _, digest = key.partition(":")
+    assert name == "proj.sync"
+    assert len(digest) == 32
+    assert int(digest, 16) >= 0
+    assert build((), {"account_id": 42, "full": False}) == key
+    assert build((43,), {}) != key
+    assert build((42,), {"full": True}) != key
+
+
+def test_default_key_digest_is_pinned() -> None:
+    # Keys written by one release must be found by the next (dedupe markers, held locks
+    # during a rolling deploy): changing the encoding must be deliberate.
+    build = compile_lock_key(None, sync, "proj.sync")
+    assert build((42,), {"day": "2024-05-01"}) == "proj.sync:b05239f7d69e1b9a1fb219caf2f2d90f"
+
+
+def test_task_without_arguments_is_keyed_by_its_name() -> None:
+    def nightly() -> None: ...
+
+    assert compile_lock_key(None, nightly, "proj.nightly")((), {}) == "proj.nightly"
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (1, 1.0),
+        (1, Decimal("1.000")),
+        (Decimal("0.10"), Decimal("0.1")),
+        (0.5, Decimal("0.5")),
+        (-0.0, 0),
+        ((1, 2), [1, 2]),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+        ({1: "x"}, {"1": "x"}),
+        ({True: "x"}, {"true": "x"}),
+        ({1, 2, 3}, frozenset({3, 2, 1})),
+        (
+            dt.datetime(2024, 5, 1, 3, tzinfo=UTC),
+            dt.datetime(2024, 5, 1, 5, tzinfo=ZoneInfo("Europe/Paris")),
+        ),
+        (float("nan"), float("nan")),
+    ],
+)
+def test_equal_values_share_a_key(left: Any, right: Any) -> None:
+    assert key_of(left) == key_of(right)
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (True, 1),
+        (False, 0),
+        ("1", 1),
+        (b"1", "1"),
+        (None, "None"),
+        (None, 0),
+        (0.1, Decimal("0.1")),
+        (1, 1.5),
+        ({1: "x"}, {1.0: "x"}),
+        ([1, 2], [2, 1]),
+        ([[1], 2], [1, [2]]),
+        (["ab", "c"], ["a", "bc"]),
+        ({"a": None}, {}),
+        (NAIVE, NAIVE.replace(tzinfo=UTC)),
+        (dt.date(2024, 5, 1), "2024-05-01"),
+        (dt.date(2024, 5, 1), NAIVE.replace(hour=0)),
+        (dt.timedelta(seconds=1), 1),
+        (uuid.UUID(int=1), uuid.UUID(int=1).hex),
+        (float("inf"), float("-inf")),
+    ],
+)
+def test_different_values_get_different_keys(left: Any, right: Any) -> None:
+    assert key_of(left) != key_of(right)
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+    note: str = dataclasses.field(default="", compare=False)
+
+
+@dataclasses.dataclass
+class Size:
+    x: int
+    y: int
+
+
+class Account:
+    def __init__(self, pk: int, name: str) -> None:
+        self.pk = pk
+        self.name = name
+
+    def __redlock_key__(self) -> object:
+        return self.pk
+
+
+def test_enum_members_are_keyed_by_their_value() -> None:
+    assert key_of(Color.RED) == key_of(1)
+    assert key_of(Mode.FAST) == key_of("fast")
+
+
+def test_dataclasses_are_keyed_by_class_and_compared_fields() -> None:
+    assert key_of(Point(1, 2, note="a")) == key_of(Point(1, 2, note="b"))
+    assert key_of(Point(1, 2)) != key_of(Point(2, 1))
+    assert key_of(Point(1, 2)) != key_of(Size(1, 2))
+
+
+def test_objects_can_name_their_identity_with_redlock_key() -> None:
+    assert key_of(Account(7, "a")) == key_of(Account(7, "renamed"))
+    assert key_of(Account(7, "a")) != key_of(Account(8, "a"))
+    assert key_of(Account(7, "a")) != key_of(7)
+
+
+def test_supported_scalar_types_make_keys() -> None:
+    values = [
+        uuid.UUID("12345678-1234-5678-1234-567812345678"),
+        dt.time(3, 30, tzinfo=UTC),
+        dt.timedelta(days=2, microseconds=5),
+        Decimal("-12.5E-3"),
+        Decimal("Infinity"),
+        bytearray(b"\x00\xff"),
+        2**20000,
+        "\ud800",  # a lone surrogate is still a str a task can receive
+    ]
+    keys = {key_of(value) for value in values}
+    assert len(keys) == len(values)
+
+
+def test_key_survives_the_json_round_trip_of_a_celery_message() -> None:
+    # The publisher (enqueue dedupe) and the worker (run-time lock) must agree on the key,
+    # although the worker sees the arguments after kombu's json serializer.
+    args = [
+        (1, 2),
+        {1: "one", "two": (2,)},
+        Color.RED,
+        dt.datetime(2024, 5, 1, 3, 0, 0, 123456, tzinfo=ZoneInfo("America/New_York")),
+        dt.date(2024, 5, 1),
+        dt.time(1, 2, 3),
+        Decimal("10.50"),
+        uuid.UUID(int=42),
+        b"raw",
+        None,
+        True,
+        1.25,
+    ]
+    build = compile_lock_key(None, one, "proj.one")
+    for value in args:
+        received = kombu_loads(kombu_dumps([value]))
+        assert build((value,), {}) == build(tuple(received), {}), value
+
+
+def test_unsupported_argument_is_named_with_task_and_remedy() -> None:
+    def push(conn: Any, account_id: int) -> None: ...
+
+    build = compile_lock_key(None, push, "proj.sync")
+    with socket.socket() as conn, pytest.raises(KeyArgumentError) as caught:
+        build((conn, 1), {})
+    assert str(caught.value) == (
+        "cannot build a lock key from argument 'conn' of task 'proj.sync': type socket is not "
+        "supported; pass unique_on=[...] or a lock_key"
+    )
+    # Both a configuration error and a TypeError, whichever the caller catches.
+    assert isinstance(caught.value, ImproperlyConfigured)
+    assert isinstance(caught.value, TypeError)
+    # Celery's result backends rebuild exceptions as cls(*args).
+    rebuilt = type(caught.value)(*caught.value.args)
+    assert str(rebuilt) == str(caught.value)
+
+
+def test_unsupported_value_deep_inside_an_argument_names_its_path() -> None:
+    with pytest.raises(KeyArgumentError, match=r"argument 'value' .* \(at value\[1\]\['k'\]\)"):
+        key_of([1, {"k": object()}])
+
+
+def test_a_value_containing_itself_is_refused_not_recursed_forever() -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    with pytest.raises(KeyArgumentError, match="contains itself"):
+        key_of(loop)
+
+
+def test_unique_on_keys_only_the_named_arguments() -> None:
+    build = compile_lock_key(None, sync, "proj.sync", unique_on=["account_id"])
+    assert build((42, "2024-05-01"), {}) == build((42, "2024-05-02"), {"full": True})
+    assert build((42,), {}) != build((43,), {})
+
+
+def test_empty_unique_on_keys_by_task_name_alone() -> None:
+    build = compile_lock_key(None, sync, "proj.sync", unique_on=[])
+    assert build((42,), {}) == "proj.sync"
+    # The arguments need not even be encodable.
+    assert build((object(),), {}) == "proj.sync"
+
+
+def test_unique_on_ignores_unsupported_arguments_it_does_not_name() -> None:
+    def push(conn: Any, account_id: int) -> None: ...
+
+    build = compile_lock_key(None, push, "proj.push", unique_on=["account_id"])
+    assert build((object(), 5), {}) == build((object(), 5), {})
+
+
+def test_unique_on_naming_a_missing_argument_fails_at_compile_time() -> None:
+    with pytest.raises(ImproperlyConfigured) as caught:
+        compile_lock_key(None, sync, "proj.sync", unique_on=["acount_id"])
+    message = str(caught.value)
+    assert "'proj.sync'" in message
+    assert "'acount_id'" in message
+    assert "did you mean 'account_id'?" in message
+    assert "valid names: account_id, day, full" in message
+
+
+def test_unique_on_as_a_bare_string_is_refused() -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"write unique_on=\['account_id'\]"):
+        compile_lock_key(None, sync, "proj.sync", unique_on="account_id")
+
+
+def test_unique_on_may_name_catch_all_keywords() -> None:
+    def task(**options: Any) -> None: ...
+
+    build = compile_lock_key(None, task, "proj.t", unique_on=["region"])
+    assert build((), {"region": "eu", "x": 1}) == build((), {"region": "eu", "x": 2})
+    assert build((), {"region": "eu"}) != build((), {"region": None})
+    assert build((), {}) != build((), {"region": None})
+
+
+# -- lock_key templates and callables -------------------------------------------------------
+
+
+def test_template_key_is_the_formatted_text_verbatim() -> None:
+    build = compile_lock_key("report:{account_id}", sync, "proj.sync")
+    assert build((42,), {}) == "report:42"
+    assert build((), {"account_id": "acme", "day": 3}) == "report:acme"
+
+
+def test_template_may_use_attributes_indexes_and_format_specs() -> None:
+    @dataclasses.dataclass
+    class Acct:
+        id: int
+
+    def task(account: Any, d: Any, n: Any) -> None: ...
+
+    build = compile_lock_key("{account.id}/{d[region]}/{n:04d}", task, "proj.t")
+    assert build((Acct(9), {"region": "eu"}, 7), {}) == "9/eu/0007"
+
+
+def test_template_fields_are_checked_at_compile_time() -> None:
+    with pytest.raises(ImproperlyConfigured) as caught:
+        compile_lock_key("report:{acount_id}", sync, "proj.sync")
+    message = str(caught.value)
+    assert "lock_key 'report:{acount_id}' of task 'proj.sync'" in message
+    assert "'acount_id', which is not an argument of the task" in message
+    assert "valid names: account_id, day, full" in message
+
+
+def test_template_fields_nested_in_format_specs_are_checked_too() -> None:
+    with pytest.raises(ImproperlyConfigured, match="'width'"):
+        compile_lock_key("{account_id:>{width}}", sync, "proj.sync")
+
+
+@pytest.mark.parametrize("template", ["report:{}", "report:{0}"])
+def test_positional_template_fields_are_refused(template: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match="positional field"):
+        compile_lock_key(template, sync, "proj.sync")
+
+
+@pytest.mark.parametrize("template", ["report:{account_id", "report:}"])
+def test_malformed_templates_are_refused(template: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match="not a valid format string"):
+        compile_lock_key(template, sync, "proj.sync")
+
+
+def test_template_that_cannot_be_formatted_for_a_call_says_why() -> None:
+    def task(account: Any) -> None: ...
+
+    build = compile_lock_key("{account.id}", task, "proj.t")
+    with pytest.raises(ImproperlyConfigured, match=r"cannot be formatted .*AttributeError"):
+        build(({"id": 1},), {})
+
+
+def test_lock_key_and_unique_on_together_are_refused() -> None:
+    with pytest.raises(ImproperlyConfigured, match="both lock_key and unique_on"):
+        compile_lock_key("r:{account_id}", sync, "proj.sync", unique_on=["account_id"])
+
+
+def test_callable_lock_key_receives_the_task_arguments() -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def key(account_id: Any, day: Any = None, **kwargs: Any) -> str:
+        seen.append((account_id, day, kwargs))
+        return f"acct:{account_id}"
+
+    build = compile_lock_key(key, sync, "proj.sync")
+    assert build((5,), {"full": True}) == "acct:5"
+    assert seen == [(5, None, {"full": True})]
+
+
+@pytest.mark.parametrize("result", ["", None, 42, b"k"])
+def test_callable_lock_key_must_return_a_non_empty_str(result: object) -> None:
+    build = compile_lock_key(lambda *a, **k: result, sync, "proj.sync")
+    with pytest.raises(ImproperlyConfigured, match="must be a non-empty str"):
+        build((1,), {})
+
+
+@pytest.mark.parametrize("lock_key", ["", 42])
+def test_empty_or_mistyped_lock_key_is_refused(lock_key: Any) -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"lock_key of task 'proj\.sync'"):
+        compile_lock_key(lock_key, sync, "proj.sync")
+
+
+# -- Redis key names ---------------------------------------------------------------------
+
+
+def test_redis_key_wraps_the_lock_key_in_a_hash_tag() -> None:
+    assert redis_key("redlock", "report:42") == "redlock:{report:42}"
+    assert redis_key("redlock", "report:42", "fence") == "redlock:{report:42}:fence"
+
+
+@pytest.mark.parametrize("key", ["report:42", "proj.sync:8d1b9a55", "a}b", "{x}"])
+def test_every_key_of_one_lock_shares_a_cluster_slot(key: str) -> None:
+    names = [redis_key("redlock", key)] + [
+        redis_key("redlock", key, suffix) for suffix in ("fence", "meta", "dedupe")
+    ]
+    assert len({key_slot(name.encode()) for name in names}) == 1
+
+
+@pytest.mark.parametrize("prefix", ["", "a{b", "a}b", "my app", 5])
+def test_invalid_prefixes_are_refused(prefix: Any) -> None:
+    with pytest.raises(ImproperlyConfigured, match="prefix"):
+        redis_key(prefix, "k")
+    with pytest.raises(ImproperlyConfigured):
+        validate_prefix(prefix)
+
+
+@pytest.mark.parametrize(("key", "suffix"), [("", None), ("}x", None), ("k", ""), ("k", "a{b")])
+def test_empty_keys_and_bad_suffixes_are_refused(key: str, suffix: str | None) -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        redis_key("redlock", key, suffix)
+
+
+@pytest.mark.parametrize(
+    ("key", "suffix"), [("report:42", None), ("report:42", "fence"), ("a}:b", "meta")]
+)
+def test_split_redis_key_inverts_redis_key(key: str, suffix: str | None) -> None:
+    assert split_redis_key("redlock", redis_key("redlock", key, suffix)) == (key, suffix)
+
+
+@pytest.mark.parametrize("name", ["other:{k}", "redlock:k", "redlock:{}", "redlock:{k}x"])
+def test_split_redis_key_rejects_foreign_names(name: str) -> None:
+    assert split_redis_key("redlock", name) is None
+
+
+# -- beat occurrences --------------------------------------------------------------------
+
+
+def test_occurrence_key_is_the_same_instant_from_any_zone() -> None:
+    utc = dt.datetime(2024, 5, 1, 3, 0, tzinfo=UTC)
+    paris = utc.astimezone(ZoneInfo("Europe/Paris"))
+    assert occurrence_key("nightly", utc) == "beat:nightly@2024-05-01T03:00:00.000Z"
+    assert occurrence_key("nightly", paris) == occurrence_key("nightly", utc)
+    assert occurrence_key("nightly", utc.timestamp()) == occurrence_key("nightly", utc)
+
+
+def test_occurrence_key_rounds_to_the_millisecond() -> None:
+    base = dt.datetime(2024, 5, 1, 3, 0, tzinfo=UTC).timestamp()
+    assert occurrence_key("e", base + 0.0004) == occurrence_key("e", base)
+    assert occurrence_key("e", base + 0.0006).endswith("03:00:00.001Z")
+    due = dt.datetime(2024, 5, 1, 3, 0, 0, 999_700, tzinfo=UTC)
+    assert occurrence_key("e", due).endswith("03:00:01.000Z")
+    assert occurrence_key("a", base) != occurrence_key("b", base)
+
+
+def test_occurrence_key_refuses_naive_datetimes() -> None:
+    with pytest.raises(ValueError, match="naive"):
+        occurrence_key("nightly", NAIVE)
+    with pytest.raises(ValueError, match="entry name"):
+        occurrence_key("", 0.0)
+
+
+# -- stability across processes ----------------------------------------------------------
+
+_STABILITY_SCRIPT = """
+import datetime as dt, json, sys, uuid
+from decimal import Decimal
+from celery_redlock.keys import arguments_digest
+values = {
+    "strings": {"beta", "alpha", "gamma", "delta"},
+    "nested": {"z": [1, 2.5, None], "a": frozenset({"x", "y"}), 3: b"\\x00"},
+    "when": dt.datetime(2024, 5, 1, 3, 0, 0, 5, tzinfo=dt.timezone.utc),
+    "id": uuid.UUID(int=99),
+    "amount": Decimal("12.30"),
+    "span": dt.timedelta(hours=1),
+}
+print(json.dumps({name: arguments_digest({name: v}) for name, v in values.items()}))
+"""
+
+
+def _digests_in_subprocess(hash_seed: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", _STABILITY_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    digests: dict[str, str] = json.loads(result.stdout)
+    return digests
+
+
+def test_keys_are_identical_in_other_processes_and_hash_seeds() -> None:
+    namespace: dict[str, Any] = {}
+    exec(_STABILITY_SCRIPT.replace("print(", "result = ("), namespace)
+    here: dict[str, str] = json.loads(namespace["result"])
+    assert _digests_in_subprocess("1") == here
+    assert _digests_in_subprocess("2") == here
+
+
+def test_digest_ignores_argument_order() -> None:
+    assert arguments_digest({"a": 1, "b": 2}) == arguments_digest({"b": 2, "a": 1})
+    assert arguments_digest({"a": 1, "b": 2}) != arguments_digest({"a": 2, "b": 1})
