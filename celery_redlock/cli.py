@@ -92,6 +92,13 @@ def inspect(ctx: click.Context, key: str, **_: Any) -> None:
 @handle_preload_options
 def clear(ctx: click.Context, pattern: str | None, all_: bool, yes: bool, **_: Any) -> None:
     """Force-release KEY, or with --all every key matching PATTERN (fence counters stay)."""
+    if pattern is not None and not pattern.strip():
+        # An explicit empty PATTERN is almost always an unset shell variable
+        # (`clear --all "$KEY"`): never read it as "everything".
+        raise click.UsageError(
+            "PATTERN is empty; give a KEY, a pattern such as 'report:*', or --all alone "
+            "to clear every key"
+        )
     if not pattern and not all_:
         raise click.UsageError("give a KEY, or --all [PATTERN] to clear many")
     if all_:

@@ -238,15 +238,13 @@ def test_clear_asks_first_and_refuses_what_could_clear_too_much(
     assert (nothing.returncode, nothing.stdout.strip()) == (0, "nothing to clear")
 
 
-@pytest.mark.xfail(
-    reason="cli.clear turns an explicit empty PATTERN into '*': `clear --all \"$UNSET\"` "
-    "would offer to delete every lock (celery_redlock/cli.py: `pattern = pattern or '*'`)",
-    strict=True,
-)
 def test_clear_all_refuses_an_explicit_empty_pattern(cli: Cli, redlock: Redlock) -> None:
-    redlock.acquire("account:1", ttl=60)
-    refused = cli("clear", "--all", "", input="n\n")
-    assert refused.returncode == 2, refused.stdout
+    lease = redlock.acquire("account:1", ttl=60)
+    for words in (("clear", "--all", ""), ("clear", "--all", "  "), ("clear", "")):
+        refused = cli(*words, input="y\n")
+        assert refused.returncode == 2, refused.stdout
+        assert "PATTERN is empty" in refused.stderr
+    lease.extend()  # raises LockLost if any of those calls had deleted the lock
 
 
 def test_check_passes_on_a_quorum_and_fails_without_one(cli: Cli, masters: Masters) -> None:

@@ -42,6 +42,7 @@ class Lease:
         "_lane",
         "_mutex",
         "_pid",
+        "_renew_fragment",
         "_state",
         "acquired_at",
         "auto_renew",
@@ -88,6 +89,8 @@ class Lease:
         self._pid = os.getpid()
         self._state = HELD
         self._fence: int | None = None
+        #: the RESP-encoded (keys, token) of this lease in a renewal, built on first use
+        self._renew_fragment: tuple[bytes, bytes] | None = None
         self._callbacks: list[LostCallback] = []
         # Re-entrant: reading `fence` holds it while a failed commit marks the lease lost.
         self._mutex = threading.RLock()

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
-from ..keys import redis_key
+from ..keys import redis_key, validate_prefix
 from . import scripts
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
 from .master import Link, Master, MasterSpec, make_master
-from .resp import ReplyError, pack
+from .resp import ReplyError, pack, pack_args
 
 __all__ = ["Redlock"]
 
@@ -79,15 +79,7 @@ class Redlock:
             masters = [masters]
         if not masters:
             raise ImproperlyConfigured("masters: give at least one Redis master")
-        if (
-            not isinstance(key_prefix, str)
-            or not key_prefix
-            or "{" in key_prefix
-            or "}" in key_prefix
-        ):
-            raise ImproperlyConfigured(
-                f"key_prefix must be a non-empty str without braces, got {key_prefix!r}"
-            )
+        validate_prefix(key_prefix)
         try:
             self.node_timeout = _number("node_timeout", node_timeout)
             drift = _number("clock_drift_factor", clock_drift_factor, allow_zero=True)
@@ -349,11 +341,22 @@ class Redlock:
         return redis_key(self.key_prefix, key)
 
     def _keys(self, key: str) -> tuple[str, str, str]:
-        return (
-            redis_key(self.key_prefix, key),
-            redis_key(self.key_prefix, key, "meta"),
-            redis_key(self.key_prefix, key, "fence"),
-        )
+        """The lock, metadata and fence counter names of ``key`` (see :func:`redis_key`).
+
+        Built here rather than by three :func:`redis_key` calls because this runs on
+        every acquire, extend and release: the prefix was validated once, in
+        ``__init__``, and the suffixes are constants.
+        """
+        if not key or key[0] == "}":
+            redis_key(self.key_prefix, key)  # raises the ValueError that explains why
+        lock_key = f"{self.key_prefix}:{{{key}}}"
+        return lock_key, lock_key + ":meta", lock_key + ":fence"
+
+    @staticmethod
+    def _companion_key(lock_key: str, suffix: str) -> str:
+        if not suffix or "{" in suffix or "}" in suffix:
+            raise ValueError(f"a key suffix must be a non-empty str without braces, got {suffix!r}")
+        return f"{lock_key}:{suffix}"
 
     # -- lanes -------------------------------------------------------------------
 
@@ -439,7 +442,7 @@ class Redlock:
         max_hold: float | None,
     ) -> Lease:
         lock_key, meta_key, _ = self._keys(key)
-        companion_key = redis_key(self.key_prefix, key, meta_args[0])
+        companion_key = self._companion_key(lock_key, meta_args[0])
         ttl_ms = max(1, int(ttl * 1000))
         n, q = len(self.masters), self.quorum
         with self._lane() as lane:
@@ -551,7 +554,7 @@ class Redlock:
         forget(lease)
         lock_key, meta_key, _ = self._keys(lease.key)
         suffix, value = lease.clear_on_release or ("dedupe", "")
-        companion_key = redis_key(self.key_prefix, lease.key, suffix)
+        companion_key = self._companion_key(lock_key, suffix)
         payload = (
             pack(
                 (
@@ -697,20 +700,40 @@ class Redlock:
 
         Returns, per lease, ``"ok"`` (a quorum extended it; its deadline moved),
         ``"gone"`` (a quorum no longer knows it) or an error text (try again).
+
+        This is the heartbeat's whole cost per tick, so it avoids per-lease work
+        that can be done once: each lease's RESP-encoded keys and token are built
+        on its first renewal and kept on the lease (they never change), and the
+        votes are counted per master over the reply strings, not per lease.
         """
         n, q = len(self.masters), self.quorum
-        commands = []
+        commands: list[bytes] = []
+        ttl_args: dict[float, bytes] = {}
         for lo in range(0, len(leases), RENEW_CHUNK):
-            keys: list[str] = []
-            args: list[str | int] = []
-            for lease, ttl in zip(
-                leases[lo : lo + RENEW_CHUNK], ttls[lo : lo + RENEW_CHUNK], strict=True
-            ):
-                lock_key, meta_key, _ = self._keys(lease.key)
-                keys += [lock_key, meta_key]
-                args += [lease.token, max(1, int(ttl * 1000))]
-            commands.append(("EVALSHA", scripts.EXTEND_MANY.sha, len(keys), *keys, *args))
-        payload = (pack(*commands), len(commands))
+            chunk = leases[lo : lo + RENEW_CHUNK]
+            keys: list[bytes] = []
+            args: list[bytes] = []
+            for lease, ttl in zip(chunk, ttls[lo : lo + RENEW_CHUNK], strict=True):
+                fragment = lease._renew_fragment
+                if fragment is None:
+                    lock_key, meta_key, _ = self._keys(lease.key)
+                    fragment = lease._renew_fragment = (
+                        pack_args((lock_key, meta_key)),
+                        pack_args((lease.token,)),
+                    )
+                keys.append(fragment[0])
+                args.append(fragment[1])
+                ttl_arg = ttl_args.get(ttl)
+                if ttl_arg is None:
+                    ttl_arg = ttl_args[ttl] = pack_args((max(1, int(ttl * 1000)),))
+                args.append(ttl_arg)
+            commands.append(
+                b"*%d\r\n" % (3 + 4 * len(chunk))
+                + pack_args(("EVALSHA", scripts.EXTEND_MANY.sha, 2 * len(chunk)))
+                + b"".join(keys)
+                + b"".join(args)
+            )
+        payload = (b"".join(commands), len(commands))
         if self._renew_lane is None:
             self._renew_lane = self._new_lane()
         with self._lane(self._renew_lane) as lane:
@@ -718,23 +741,31 @@ class Redlock:
             quarantined = self._quarantined(start)
             result = self._round(lane, [payload] * n)
             quarantined |= self._quarantined(self._clock())
-        flags = [_flags(replies) for replies in result.replies]
+        count = len(leases)
+        ok = [0] * count
+        gone = [0] * count
+        for i, replies in enumerate(result.replies):
+            flags = _flags(replies)
+            if flags is None or len(flags) != count:
+                continue
+            for j, flag in enumerate(flags):
+                if flag == 49:  # b"1": extended on this master
+                    if i not in quarantined:
+                        ok[j] += 1
+                else:
+                    gone[j] += 1
         out: list[str] = []
+        errors: str | None = None
         for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
-            ok = sum(
-                1
-                for i, f in enumerate(flags)
-                if f is not None and f[j] == "1" and i not in quarantined
-            )
-            gone = sum(1 for f in flags if f is not None and f[j] == "0")
-            if ok >= q:
+            if ok[j] >= q:
                 lease._set_deadline(start + ttl - self._drift(ttl))
                 out.append("ok")
-            elif gone > n - q:
+            elif gone[j] > n - q:
                 out.append("gone")
             else:
-                errors = self._errors(result)
-                out.append(f"renewed on {ok} of {n} masters ({q} needed); {errors}")
+                if errors is None:
+                    errors = str(self._errors(result))
+                out.append(f"renewed on {ok[j]} of {n} masters ({q} needed); {errors}")
         return out
 
     def _after_fork_in_child(self) -> None:
@@ -759,11 +790,11 @@ def _value(reply: list[object]) -> int:
     return int(value[1]) if isinstance(value, list) and len(value) > 1 else 0
 
 
-def _flags(replies: list[object] | None) -> str | None:
-    """The '1'/'0' flags of one master's EXTEND_MANY replies, joined; None if unusable."""
+def _flags(replies: list[object] | None) -> bytes | None:
+    """The b'1'/b'0' flags of one master's EXTEND_MANY replies, joined; None if unusable."""
     if not replies or not all(isinstance(r, bytes) for r in replies):
         return None
-    return b"".join(r for r in replies if isinstance(r, bytes)).decode()
+    return b"".join(r for r in replies if isinstance(r, bytes))
 
 
 def _after_fork_in_child() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["INCOMPLETE", "ReplyError", "RespReader", "pack"]
+__all__ = ["INCOMPLETE", "ReplyError", "RespReader", "pack", "pack_args"]
 
 Arg = bytes | str | int | float
 
@@ -48,6 +48,19 @@ def pack(*commands: Sequence[Arg]) -> bytes:
         for arg in command:
             data = _encode(arg)
             out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def pack_args(args: Iterable[Arg]) -> bytes:
+    """Encode bulk strings without the array header: a fragment of a command.
+
+    For callers that assemble one large command from parts encoded ahead of time
+    (the heartbeat's multi-lease renewal); prefix the result with ``*<count>\\r\\n``.
+    """
+    out: list[bytes] = []
+    for arg in args:
+        data = _encode(arg)
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 
 

@@ -11,7 +11,7 @@ plain master only.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "ACQUIRE",
@@ -31,10 +31,11 @@ __all__ = [
 class Script:
     name: str
     source: str
+    #: the SHA1 that EVALSHA names the script by (computed once: it is on the hot path)
+    sha: str = field(init=False, repr=False)
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 #: KEYS[1] lock, KEYS[2] metadata hash, KEYS[3] companion key (see ARGV[3]).

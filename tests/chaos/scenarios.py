@@ -381,13 +381,21 @@ def s12_faults(run: Run) -> None:
     inj.resume_master(2)
     _sleep(0.5)
     # A majority frozen at once: nobody may enter; late commands run after the thaw.
-    a = inj.in_background(lambda: inj.client_pause(0, 1.5))
-    b = inj.in_background(lambda: inj.debug_sleep(1, 1.5))
+    # Both faults end on their own, on the masters' clocks, 1.5 s after they start; the
+    # threads that started them notice later. The window without a quorum is therefore
+    # recorded from after both started to before either can end, never up to the
+    # threads' return: an acquire that started once the masters thawed, a few ms
+    # before the injector woke up, is not a violation.
+    frozen = 1.5
+    started = time.monotonic()
+    a = inj.in_background(lambda: inj.client_pause(0, frozen))
+    b = inj.in_background(lambda: inj.debug_sleep(1, frozen))
     time.sleep(0.05)
     inj.quorum_lost()
+    time.sleep(max(0.0, started + frozen - 0.05 - time.monotonic()))
+    inj.quorum_back()
     a.join()
     b.join()
-    inj.quorum_back()
     _sleep(0.5)
 
 
