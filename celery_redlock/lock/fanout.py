@@ -27,13 +27,22 @@ __all__ = ["Lane", "RoundResult", "run_round"]
 
 
 class Lane:
-    """One link per master, used by one thread at a time (``lock``)."""
+    """One link per master, used by one thread at a time (``lock``).
+
+    Taken locked from :meth:`Redlock._lane`; as a context manager it unlocks on exit.
+    """
 
     __slots__ = ("links", "lock")
 
     def __init__(self, links: list[Link]) -> None:
         self.links = links
         self.lock = threading.Lock()
+
+    def __enter__(self) -> Lane:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
 
 
 @dataclass

@@ -57,6 +57,9 @@ _DROPPED_KWARGS = (
 #: earlier one saw the other side of.
 _known_run_ids: dict[str, str] = {}
 _known_lock = threading.Lock()
+#: True once any master was seen to restart in this process: until then no round needs
+#: to look for quarantined masters (a check that would otherwise run on every round).
+restarts_seen = False
 
 
 def _no_setinfo_kwargs() -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -168,6 +171,8 @@ class Master:
             _known_run_ids[self.name] = run_id
         self.run_id = run_id
         if previous is not None and previous != run_id:
+            global restarts_seen
+            restarts_seen = True
             self.restarted_at = now
             logger.warning(
                 "master %s restarted (run_id %s -> %s): keeping it out of the quorum "

@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_prefix
-from . import scripts
+from . import heartbeat, scripts
+from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
 from .master import Link, Master, MasterSpec, make_master
-from .resp import ReplyError, pack, pack_args
+from .resp import ReplyError, pack_args
 
 __all__ = ["Redlock"]
 
@@ -188,10 +189,8 @@ class Redlock:
                     pause = min(pause, left)
                 time.sleep(pause)
         if auto_renew:
-            from .heartbeat import engine
-
             lease.auto_renew = True
-            engine().add(lease)
+            heartbeat.engine().add(lease)
         return lease
 
     @contextlib.contextmanager
@@ -241,7 +240,7 @@ class Redlock:
         """
         lock_key, meta_key, _ = self._keys(key)
         payload = (
-            pack(("EVALSHA", scripts.RELEASE_OWNER.sha, 2, lock_key, meta_key, field, value)),
+            scripts.RELEASE_OWNER.call(2, lock_key, meta_key, field, value),
             1,
         )
         with self._lane() as lane:
@@ -270,8 +269,8 @@ class Redlock:
         """
         name = redis_key(self.key_prefix, key, suffix)
         ttl = _number("ttl", ttl)
-        payload = (pack(("EVALSHA", scripts.CLAIM.sha, 1, name, value, max(1, int(ttl * 1000)))), 1)
-        undo = (pack(("EVALSHA", scripts.UNCLAIM.sha, 1, name, value)), 1)
+        payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
+        undo = (scripts.UNCLAIM.call(1, name, value), 1)
         ours = value.encode()
         n, q = len(self.masters), self.quorum
 
@@ -329,7 +328,7 @@ class Redlock:
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
         """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""
         name = redis_key(self.key_prefix, key, suffix)
-        payload = (pack(("EVALSHA", scripts.UNCLAIM.sha, 1, name, value)), 1)
+        payload = (scripts.UNCLAIM.call(1, name, value), 1)
         with self._lane() as lane:
             result = self._round(lane, [payload] * len(self.masters))
         return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
@@ -363,30 +362,33 @@ class Redlock:
     def _new_lane(self) -> Lane:
         return Lane([Link(m) for m in self.masters])
 
-    @contextlib.contextmanager
-    def _lane(self, lane: Lane | None = None) -> Iterator[Lane]:
+    def _lane(self, lane: Lane | None = None) -> Lane:
+        """A lane for one operation, locked: ``with self._lane() as lane: ...``.
+
+        ``lane`` asks for that one (waiting for it); otherwise the first idle lane
+        is taken, or a new one opened. (A plain method returning the lane, whose
+        ``__exit__`` unlocks it, rather than a generator context manager: this runs
+        twice per acquire+release.)
+        """
         if lane is None:
             for candidate in self._lanes:
                 if candidate.lock.acquire(blocking=False):
-                    lane = candidate
-                    break
-            else:
-                lane = self._new_lane()
-                lane.lock.acquire()
-                with self._lanes_lock:
-                    self._lanes.append(lane)
-        else:
+                    return candidate
+            lane = self._new_lane()
             lane.lock.acquire()
-        try:
-            yield lane
-        finally:
-            lane.lock.release()
+            with self._lanes_lock:
+                self._lanes.append(lane)
+            return lane
+        lane.lock.acquire()
+        return lane
 
     def _drift(self, ttl: float) -> float:
         return ttl * self.clock_drift_factor + 0.002
 
     def _quarantined(self, now: float) -> set[int]:
         out: set[int] = set()
+        if not master_mod.restarts_seen:
+            return out  # the usual case, on every round: no master was ever seen to restart
         period = self.restart_quarantine
         if period is None:
             period = self._max_ttl
@@ -449,18 +451,8 @@ class Redlock:
             start = self._clock()
             quarantined = self._quarantined(start)
             payload = (
-                pack(
-                    (
-                        "EVALSHA",
-                        scripts.ACQUIRE.sha,
-                        3,
-                        lock_key,
-                        meta_key,
-                        companion_key,
-                        token,
-                        ttl_ms,
-                        *meta_args[1:],
-                    )
+                scripts.ACQUIRE.call(
+                    3, lock_key, meta_key, companion_key, token, ttl_ms, *meta_args[1:]
                 ),
                 1,
             )
@@ -511,9 +503,7 @@ class Redlock:
             undo |= result.not_waited
             if undo:
                 release = (
-                    pack(
-                        ("EVALSHA", scripts.RELEASE.sha, 3, lock_key, meta_key, meta_key, token, "")
-                    ),
+                    scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""),
                     1,
                 )
                 won_set = set(landed)
@@ -549,25 +539,12 @@ class Redlock:
         )
 
     def _release(self, lease: Lease, *, wait: bool = True) -> bool:
-        from .heartbeat import forget
-
-        forget(lease)
+        heartbeat.forget(lease)
         lock_key, meta_key, _ = self._keys(lease.key)
         suffix, value = lease.clear_on_release or ("dedupe", "")
         companion_key = self._companion_key(lock_key, suffix)
         payload = (
-            pack(
-                (
-                    "EVALSHA",
-                    scripts.RELEASE.sha,
-                    3,
-                    lock_key,
-                    meta_key,
-                    companion_key,
-                    lease.token,
-                    value,
-                )
-            ),
+            scripts.RELEASE.call(3, lock_key, meta_key, companion_key, lease.token, value),
             1,
         )
         q = self.quorum
@@ -594,7 +571,7 @@ class Redlock:
         lock_key, meta_key, _ = self._keys(lease.key)
         ttl_ms = max(1, int(ttl * 1000))
         payload = (
-            pack(("EVALSHA", scripts.EXTEND.sha, 2, lock_key, meta_key, lease.token, ttl_ms)),
+            scripts.EXTEND.call(2, lock_key, meta_key, lease.token, ttl_ms),
             1,
         )
         n, q = len(self.masters), self.quorum
@@ -644,18 +621,7 @@ class Redlock:
         proposal = max(1, time.time_ns() // 1000)
         for _ in range(8):
             payload = (
-                pack(
-                    (
-                        "EVALSHA",
-                        scripts.FENCE.sha,
-                        2,
-                        lock_key,
-                        fence_key,
-                        lease.token,
-                        proposal,
-                        fence_ttl_ms,
-                    )
-                ),
+                scripts.FENCE.call(2, lock_key, fence_key, lease.token, proposal, fence_ttl_ms),
                 1,
             )
             with self._lane() as lane:
@@ -729,7 +695,8 @@ class Redlock:
                 args.append(ttl_arg)
             commands.append(
                 b"*%d\r\n" % (3 + 4 * len(chunk))
-                + pack_args(("EVALSHA", scripts.EXTEND_MANY.sha, 2 * len(chunk)))
+                + scripts.EXTEND_MANY.head
+                + pack_args((2 * len(chunk),))
                 + b"".join(keys)
                 + b"".join(args)
             )

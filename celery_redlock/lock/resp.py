@@ -31,6 +31,8 @@ INCOMPLETE = _Incomplete()
 
 
 def _encode(arg: Arg) -> bytes:
+    if type(arg) is str:  # the common case first: this runs for every argument sent
+        return arg.encode()
     if isinstance(arg, bytes):
         return arg
     if isinstance(arg, str):

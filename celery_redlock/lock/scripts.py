@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from .resp import pack_args
+
 __all__ = [
     "ACQUIRE",
     "ALL_SCRIPTS",
@@ -33,9 +35,17 @@ class Script:
     source: str
     #: the SHA1 that EVALSHA names the script by (computed once: it is on the hot path)
     sha: str = field(init=False, repr=False)
+    #: ``EVALSHA <sha>`` as RESP bulk strings, the constant start of every call
+    head: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+        sha = hashlib.sha1(self.source.encode()).hexdigest()
+        object.__setattr__(self, "sha", sha)
+        object.__setattr__(self, "head", b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode())
+
+    def call(self, numkeys: int, *args: str | int) -> bytes:
+        """One ``EVALSHA`` of this script, RESP-encoded: ``numkeys`` keys, then ``args``."""
+        return b"*%d\r\n" % (len(args) + 3) + self.head + pack_args((numkeys, *args))
 
 
 #: KEYS[1] lock, KEYS[2] metadata hash, KEYS[3] companion key (see ARGV[3]).
