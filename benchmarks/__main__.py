@@ -1,5 +1,7 @@
-"""``python -m benchmarks lock|renewal|all [options]``: run benchmarks, print their tables.
+"""``python -m benchmarks lock|renewal|tasks|beat|all [options]``: run benchmarks, print tables.
 
+``all`` runs lock, renewal and tasks (about five minutes on 2 cores); ``beat`` kills and
+restarts beat processes for minutes (``--kills``, ``--minutes``) and runs on its own.
 Options after the name go to each benchmark (``--rounds``, ``--seconds``, ``--save``,
 ``--strict``); ``python -m benchmarks lock --help`` lists them.
 """
@@ -7,17 +9,25 @@ Options after the name go to each benchmark (``--rounds``, ``--seconds``, ``--sa
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-from benchmarks import bench_lock, bench_renewal
+from benchmarks import bench_beat, bench_lock, bench_renewal, bench_tasks
 
-BENCHMARKS = {"lock": bench_lock.main, "renewal": bench_renewal.main}
+BENCHMARKS: dict[str, Callable[[list[str]], int]] = {
+    "lock": bench_lock.main,
+    "renewal": bench_renewal.main,
+    "tasks": bench_tasks.main,
+    "beat": bench_beat.main,
+}
+#: what ``all`` runs: the ones that take minutes, not tens of minutes
+ALL = ("lock", "renewal", "tasks")
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in (*BENCHMARKS, "all"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    names = list(BENCHMARKS) if argv[0] == "all" else [argv[0]]
+    names = list(ALL) if argv[0] == "all" else [argv[0]]
     status = 0
     for i, name in enumerate(names):
         if i:
