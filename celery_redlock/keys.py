@@ -531,13 +531,24 @@ def redis_key(prefix: str, key: str, suffix: str | None = None) -> str:
     :raises ValueError: ``key`` or ``suffix`` is empty, or ``key`` starts with ``}``.
     """
     validate_prefix(prefix)
-    if not key or key.startswith("}"):
-        raise ValueError(f"a lock key must be a non-empty str not starting with '}}', got {key!r}")
+    validate_key(key)
     if suffix is None:
         return f"{prefix}:{{{key}}}"
+    return f"{prefix}:{{{key}}}:{validate_suffix(suffix)}"
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it can stand inside the hash tag; raise ValueError otherwise."""
+    if not key or key[0] == "}":
+        raise ValueError(f"a lock key must be a non-empty str not starting with '}}', got {key!r}")
+    return key
+
+
+def validate_suffix(suffix: str) -> str:
+    """Return ``suffix`` if it can end a key name (no braces); raise ValueError otherwise."""
     if not suffix or "{" in suffix or "}" in suffix:
         raise ValueError(f"a key suffix must be a non-empty str without braces, got {suffix!r}")
-    return f"{prefix}:{{{key}}}:{suffix}"
+    return suffix
 
 
 def split_redis_key(prefix: str, name: str) -> tuple[str, str | None] | None:

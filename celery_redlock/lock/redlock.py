@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
-from ..keys import redis_key, validate_prefix
+from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
 from . import heartbeat, scripts
 from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
@@ -346,16 +346,8 @@ class Redlock:
         every acquire, extend and release: the prefix was validated once, in
         ``__init__``, and the suffixes are constants.
         """
-        if not key or key[0] == "}":
-            redis_key(self.key_prefix, key)  # raises the ValueError that explains why
-        lock_key = f"{self.key_prefix}:{{{key}}}"
+        lock_key = f"{self.key_prefix}:{{{validate_key(key)}}}"
         return lock_key, lock_key + ":meta", lock_key + ":fence"
-
-    @staticmethod
-    def _companion_key(lock_key: str, suffix: str) -> str:
-        if not suffix or "{" in suffix or "}" in suffix:
-            raise ValueError(f"a key suffix must be a non-empty str without braces, got {suffix!r}")
-        return f"{lock_key}:{suffix}"
 
     # -- lanes -------------------------------------------------------------------
 
@@ -444,7 +436,7 @@ class Redlock:
         max_hold: float | None,
     ) -> Lease:
         lock_key, meta_key, _ = self._keys(key)
-        companion_key = self._companion_key(lock_key, meta_args[0])
+        companion_key = f"{lock_key}:{validate_suffix(meta_args[0])}"
         ttl_ms = max(1, int(ttl * 1000))
         n, q = len(self.masters), self.quorum
         with self._lane() as lane:
@@ -542,7 +534,7 @@ class Redlock:
         heartbeat.forget(lease)
         lock_key, meta_key, _ = self._keys(lease.key)
         suffix, value = lease.clear_on_release or ("dedupe", "")
-        companion_key = self._companion_key(lock_key, suffix)
+        companion_key = f"{lock_key}:{validate_suffix(suffix)}"
         payload = (
             scripts.RELEASE.call(3, lock_key, meta_key, companion_key, lease.token, value),
             1,

@@ -44,13 +44,7 @@ def _encode(arg: Arg) -> bytes:
 
 def pack(*commands: Sequence[Arg]) -> bytes:
     """Encode one or more commands as one RESP2 payload, ready for ``sendall``."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            data = _encode(arg)
-            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
+    return b"".join(b"*%d\r\n%s" % (len(command), pack_args(command)) for command in commands)
 
 
 def pack_args(args: Iterable[Arg]) -> bytes:
