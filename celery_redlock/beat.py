@@ -169,7 +169,7 @@ def occurrence_of(
     """
     schedule = entry.schedule
     timestamp = now.timestamp()
-    if isinstance(schedule, interval_schedule) and type(schedule).__name__ != "clocked":
+    if _numbered(schedule):
         interval = schedule.run_every.total_seconds()
         if interval > 0:
             cached = anchors.get(entry.name)
@@ -189,11 +189,18 @@ def occurrence_of(
             # tolerance absorbs the microsecond rounding of the aligned ``last_run_at``.
             index = math.floor((timestamp - anchor + ALIGN_TOLERANCE) / interval)
             return f"{entry.name}#{index}", anchor + index * interval
+    return _minute_occurrence(entry.name, timestamp), None
+
+
+def _numbered(schedule: Any) -> bool:
+    """Whether ``schedule``'s occurrences are numbered from an anchor (interval entries)."""
+    return isinstance(schedule, interval_schedule) and type(schedule).__name__ != "clocked"
+
+
+def _minute_occurrence(name: str, timestamp: float) -> str:
+    """The id of a crontab (or other non-interval) occurrence: its entry and UTC minute."""
     minute = math.floor(timestamp / 60) * 60
-    return (
-        f"{entry.name}@{dt.datetime.fromtimestamp(minute, dt.timezone.utc):%Y-%m-%dT%H:%MZ}",
-        None,
-    )
+    return f"{name}@{dt.datetime.fromtimestamp(minute, dt.timezone.utc):%Y-%m-%dT%H:%MZ}"
 
 
 def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
@@ -215,6 +222,14 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     #: pushes right after apply_entry returns
     realigned: dict[str, tuple[Any, float]] = {}
     original_when: Callable[..., Any] = scheduler._when
+    original_tick: Callable[..., Any] = scheduler.tick
+    #: per crontab (non-interval) entry, the last occurrence this beat let pass while it
+    #: stood by: (entry, occurrence id, wall time it fell due). A standby's scheduler moves
+    #: past a due entry like a leader's, so after a takeover this is how the new leader
+    #: knows which occurrence fell due while the old leader's lease ran out.
+    passed: dict[str, tuple[Any, str, float]] = {}
+    #: the leader term whose crontab catch-up has run
+    crontab_term: list[int] = [0]
 
     def reserve(self: Any, entry: Any) -> Any:
         upcoming = original_reserve(entry)
@@ -237,9 +252,18 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             every = entry.schedule.run_every.total_seconds()
             realigned[entry.name] = (upcoming, aligned + every)
 
+    def tick(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if leader.leading and crontab_term[0] != leader.term:
+            crontab_term[0] = leader.term
+            _catch_up_passed()
+        return original_tick(*args, **kwargs)
+
     def apply_entry(self: Any, entry: Any, producer: Any = None) -> Any:
         if not leader.leading:
             logger.debug("beat standby: not sending %s", entry.name)
+            if not _numbered(getattr(entry, "schedule", None)):
+                due = time.time()  # noqa: TID251 - occurrences are named by wall time
+                passed[entry.name] = (entry, _minute_occurrence(entry.name, due), due)
             return None
         now = (
             entry.default_now()
@@ -248,10 +272,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         )
         try:
             occurrence, aligned = occurrence_of(redlock, entry, now, anchors)
-            interval = getattr(getattr(entry, "schedule", None), "run_every", None)
-            claim_ttl = max(
-                settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0)
-            )
+            claim_ttl = _claim_ttl(entry)
             holder, fresh = redlock.claim(
                 f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
             )
@@ -311,34 +332,66 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             if aligned - back * interval < oldest or (last is not None and index - back <= last):
                 break
             earlier = f"{name}#{index - back}"
-            try:
-                holder, _ = redlock.claim(
-                    f"beat:{earlier}", CLAIM_SUFFIX, leader.identity, claim_ttl
-                )
-            except RedlockError:
+            outcome = _claim_missed(earlier, claim_ttl)
+            if outcome is None:
                 break
-            if holder != leader.identity:
-                # The old leader claimed this one, and every one before it. It may have
-                # died between that claim and its publish, though: unless a worker took
-                # the occurrence already, send it again, with its run claimed for our
-                # message, so that a worker drops the old leader's if it was sent.
-                task_id = _claim_run(earlier)
-                if task_id is not None:
-                    missed.append((earlier, task_id))
-                break
-            # Ours, fresh or not: above last_sent, a claim of ours that is not fresh is
-            # one whose reply was lost (the claim raised) and that was never sent.
-            missed.append((earlier, None))
+            missed.append(outcome)
+            if outcome[1] is not None:
+                break  # the old leader claimed this one, and every one before it
         for earlier, task_id in reversed(missed):
-            if task_id is None:
-                logger.warning("beat: sending %s late: nobody sent it when it fell due", earlier)
-            else:
-                logger.warning(
-                    "beat: sending %s again: no worker has it (its sender may have died "
-                    "before publishing it; a worker drops a second copy)",
-                    earlier,
-                )
-            original(_tagged(entry, earlier, task_id), producer=producer)
+            _send_missed(entry, earlier, task_id, producer)
+
+    def _claim_ttl(entry: Any) -> float:
+        # redlock_dedupe_ttl, or three intervals (three minutes for crontab entries).
+        interval = getattr(getattr(entry, "schedule", None), "run_every", None)
+        return max(settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0))
+
+    def _claim_missed(occurrence: str, claim_ttl: float) -> tuple[str, str | None] | None:
+        """Claim an occurrence nobody may have sent: what to send, or None for nothing.
+
+        ``(occurrence, None)``: ours (fresh, or ours from a claim whose reply was lost),
+        send it. ``(occurrence, task_id)``: another beat (the old leader) claimed it but
+        may have died between its claim and its publish; no worker has taken it, so send
+        it again as ``task_id``, whose run is claimed: a worker drops the old leader's
+        copy if it was sent after all. None: unreachable masters, or somebody sent it and
+        a worker took it.
+        """
+        try:
+            holder, _ = redlock.claim(
+                f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
+            )
+        except RedlockError:
+            return None
+        if holder == leader.identity:
+            return occurrence, None
+        task_id = _claim_run(occurrence)
+        return None if task_id is None else (occurrence, task_id)
+
+    def _send_missed(entry: Any, occurrence: str, task_id: str | None, producer: Any) -> None:
+        if task_id is None:
+            logger.warning("beat: sending %s late: nobody sent it when it fell due", occurrence)
+        else:
+            logger.warning(
+                "beat: sending %s again: no worker has it (its sender may have died "
+                "before publishing it; a worker drops a second copy)",
+                occurrence,
+            )
+        original(_tagged(entry, occurrence, task_id), producer=producer)
+
+    def _catch_up_passed() -> None:
+        # After a takeover: crontab occurrences this beat let pass as a standby while the
+        # old leader's lease ran out (interval entries catch up in apply_entry instead).
+        seen = leader.other_leader_seen
+        if seen is None:
+            return
+        oldest = seen - (leader.lease_ttl + 2 * leader.poll_interval)
+        for name, (entry, occurrence, due) in list(passed.items()):
+            del passed[name]
+            if due < oldest:
+                continue
+            outcome = _claim_missed(occurrence, _claim_ttl(entry))
+            if outcome is not None:
+                _send_missed(entry, *outcome, None)
 
     def _claim_run(occurrence: str) -> str | None:
         task_id = uuid()
@@ -353,6 +406,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     scheduler.apply_entry = types.MethodType(apply_entry, scheduler)
     scheduler.reserve = types.MethodType(reserve, scheduler)
     scheduler._when = types.MethodType(_when, scheduler)
+    scheduler.tick = types.MethodType(tick, scheduler)
 
 
 def _tagged(entry: Any, occurrence: str, task_id: str | None = None) -> Any:

@@ -219,6 +219,49 @@ def test_three_beats_leader_sigkill_failover(cluster_factory: Callable[..., Clus
         assert settled[len(settled) // 2] < 0.15, f"{name}: off the anchor by {settled}"
 
 
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(240)
+def test_crontab_occurrence_due_during_a_takeover_is_sent_once(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """The leader is SIGKILLed about 1 s before a minute boundary of an every-minute crontab.
+
+    That occurrence falls due while the old leader is dead and the standby still waits for
+    its lease to run out (lease TTL 3 s), so the standby's scheduler passes it by. After
+    the takeover the new leader must send it (late, once), not skip to the next minute.
+    """
+    cluster = cluster_factory(lease_ttl=TTL, schedule={"every-a": INTERVAL, "minutely": "*"})
+    cluster.worker()
+    start_pair(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(at_least(cluster, 3), timeout=60, what="the leader sending")
+    # Kill at :58.8-:59.3 of a minute (at most a minute from now), by polling the wall clock.
+    wait_for(lambda: 58.8 <= now() % 60 < 59.3, timeout=65, interval=0.02)
+    assert cluster.procs[1].name == "beat-a"
+    killed_at = cluster.procs[1].kill()
+    boundary = math.ceil(killed_at / 60) * 60
+    wanted = minute_id("minutely", boundary)
+    cluster.wait_runs(
+        lambda runs: any(r["occurrence"] == wanted for r in runs),
+        timeout=30,
+        what=f"{wanted}, due {boundary - killed_at:.1f} s after the leader's kill",
+    )
+    cluster.procs[2].kill()
+    runs = cluster.drain()
+
+    assert_once_each(runs, ("every-a",))
+    [sent] = [r for r in runs if r["occurrence"] == wanted]
+    assert sent["sender"] == "beat-b"
+    took_over = [
+        r for r in cluster.records("beat_status") if r["status"] == "leader" and r["t"] > killed_at
+    ]
+    assert took_over, "no standby took over"
+    assert took_over[0]["t"] > boundary, (
+        "the standby led before the boundary: this run did not test a passed occurrence"
+    )
+    assert cluster.procs[2].log_times("sending .*minutely.* late")
+
+
 # --------------------------------------------------------------------------------------------
 # A paused leader
 # --------------------------------------------------------------------------------------------
