@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import select
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .master import Link, Slot
@@ -53,6 +53,9 @@ class RoundResult:
     errors: dict[int, str] = field(default_factory=dict)
     #: masters whose reply we stopped waiting for because the outcome was certain
     not_waited: set[int] = field(default_factory=set)
+    #: the slots of the replies not waited for (and those that timed out): they fill
+    #: in when a later round on the same link reads past them
+    late: dict[int, Slot] = field(default_factory=dict)
 
 
 Decider = Callable[[RoundResult], bool]
@@ -67,6 +70,7 @@ def run_round(
     reconnect_backoff: float,
     decided: Decider | None = None,
     wait_on_down: bool = False,
+    awaiting: Mapping[int, Slot] | None = None,
 ) -> RoundResult:
     """Send ``payloads[i]`` (bytes, number of replies) to ``links[i]``; collect replies.
 
@@ -74,6 +78,11 @@ def run_round(
     breaks the connection gets an entry in ``errors`` instead of replies. A
     master known to be down is sent its payload (to keep the per-link order)
     but not waited for unless ``wait_on_down``.
+
+    ``awaiting`` maps master indexes to the late slots of an earlier round on these
+    links (:attr:`RoundResult.late`): this round collects those replies instead of
+    sending (give ``None`` payloads there). A slot whose link was closed since is
+    reported in ``errors``.
     """
     n = len(links)
     result = RoundResult(replies=[None] * n)
@@ -103,6 +112,13 @@ def run_round(
             master.connect_after = clock() + reconnect_backoff
             master.mark_down(f"send failed: {exc}")
             errors[i] = master.last_error
+    for i, slot in (awaiting or {}).items():
+        if slot.done:
+            result.replies[i] = slot.replies
+        elif any(s is slot for s in links[i].outstanding):
+            slots[i] = slot
+        else:
+            errors[i] = links[i].master.last_error or "connection closed since"
     deadline = clock() + node_timeout
     pending = dict(slots)
     while pending:
@@ -148,6 +164,7 @@ def run_round(
         timed_out = clock() >= deadline
         for i, slot in pending.items():
             slot.abandoned = True
+            result.late[i] = slot
             master = links[i].master
             if timed_out or master.down:
                 if not master.down:

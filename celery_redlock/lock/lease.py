@@ -13,6 +13,7 @@ from ..exceptions import LockLost
 
 if TYPE_CHECKING:
     from .fanout import Lane
+    from .master import Slot
     from .redlock import Redlock
 
 __all__ = ["Lease"]
@@ -37,6 +38,7 @@ class Lease:
         "__weakref__",
         "_callbacks",
         "_deadline",
+        "_eager_fence",
         "_fence",
         "_fence_lock",
         "_lane",
@@ -89,6 +91,11 @@ class Lease:
         self._pid = os.getpid()
         self._state = HELD
         self._fence: int | None = None
+        #: (proposal, replies, late slots, quarantined) when the acquire round also
+        #: committed a fence; checked on first read of :attr:`fence`
+        self._eager_fence: (
+            tuple[int, list[list[object] | None], dict[int, Slot], set[int]] | None
+        ) = None
         #: the RESP-encoded (keys, token) of this lease in a renewal, built on first use
         self._renew_fragment: tuple[bytes, bytes] | None = None
         self._callbacks: list[LostCallback] = []

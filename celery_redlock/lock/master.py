@@ -38,7 +38,11 @@ logger = logging.getLogger("celery_redlock.lock")
 MasterSpec = str | Mapping[str, Any] | redis.Redis
 
 #: A link with more unanswered replies than this is wedged: drop it and reconnect.
-MAX_OUTSTANDING = 64
+#: Generous on purpose: a master starved of CPU for a few milliseconds falls dozens of
+#: replies behind a fast client (seen at 64 on a 2-core host running 3 masters), and
+#: dropping the link breaks the per-master order of our commands that keeps a late
+#: SET NX from outliving its release. Each slot is a few dozen bytes.
+MAX_OUTSTANDING = 1024
 
 _ALLOWED_SCHEMES = ("redis", "rediss", "unix")
 _DROPPED_KWARGS = (
@@ -288,12 +292,16 @@ class Link:
     order of our commands on that master, survives a slow reply.
     """
 
-    __slots__ = ("_conn", "master", "outstanding", "pid", "reader", "sock")
+    __slots__ = ("_conn", "_nonblocking", "master", "outstanding", "pid", "reader", "sock")
 
     def __init__(self, master: Master) -> None:
         self.master = master
         self._conn: Any = None
         self.sock: socket.socket | None = None
+        #: plain TCP and unix sockets run non-blocking: a send or a read after
+        #: ``select`` then costs one system call, where a socket with a timeout adds
+        #: a ``poll`` before each (TLS sockets keep their timeout)
+        self._nonblocking = False
         self.reader = RespReader()
         self.outstanding: deque[Slot] = deque()
         self.pid = os.getpid()
@@ -315,6 +323,9 @@ class Link:
             if sock is None:  # pragma: no cover - redis-py contract
                 raise ConnectionError("redis-py returned no socket")
             self._conn, self.sock = conn, sock
+            self._nonblocking = not _is_tls(sock)
+            if self._nonblocking:
+                sock.setblocking(False)
             self.reader.clear()
             self.outstanding.clear()
             commands: list[Sequence[str]] = [("INFO", "server")]
@@ -361,10 +372,36 @@ class Link:
         assert self.sock is not None
         if len(self.outstanding) > MAX_OUTSTANDING:
             raise ConnectionError(f"{len(self.outstanding)} replies overdue")
-        self.sock.sendall(payload)
+        if self._nonblocking:
+            try:
+                sent = self.sock.send(payload)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(payload):
+                self._send_rest(memoryview(payload)[sent:])
+        else:
+            self.sock.sendall(payload)
         slot = Slot(expected)
         self.outstanding.append(slot)
         return slot
+
+    def _send_rest(self, rest: memoryview) -> None:
+        """Finish a send the socket buffer could not take at once (a large renewal).
+
+        Waits for room at most ``node_timeout`` in all; raises ``TimeoutError``
+        then (the caller closes the link: part of a command may have gone out).
+        """
+        sock = self.sock
+        assert sock is not None
+        deadline = time.monotonic() + self.master.node_timeout
+        while rest:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
+                raise TimeoutError(f"could not send within {self.master.node_timeout}s")
+            try:
+                rest = rest[sock.send(rest) :]
+            except BlockingIOError:
+                continue
 
     def wait_readable(self, timeout: float) -> bool:
         sock = self.sock
@@ -382,12 +419,16 @@ class Link:
         """
         sock = self.sock
         assert sock is not None
-        data = sock.recv(262144)
+        try:
+            data = sock.recv(262144)
+        except BlockingIOError:  # woken for nothing: the reply is not there yet
+            return
         if not data:
             raise ConnectionError("connection closed by the master")
         self.reader.feed(data)
-        while _pending(sock):
-            self.reader.feed(sock.recv(262144))
+        if not self._nonblocking:
+            while _pending(sock):
+                self.reader.feed(sock.recv(262144))
         self.master.mark_up()
         outstanding = self.outstanding
         while outstanding:
@@ -398,6 +439,10 @@ class Link:
             slot.replies.append(reply)
             if slot.done:
                 outstanding.popleft()
+
+
+def _is_tls(sock: socket.socket) -> bool:
+    return getattr(sock, "pending", None) is not None
 
 
 def _pending(sock: socket.socket) -> int:

@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ..backoff import full_jitter
@@ -18,7 +19,7 @@ from . import heartbeat, scripts
 from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
-from .master import Link, Master, MasterSpec, make_master
+from .master import Link, Master, MasterSpec, Slot, make_master
 from .resp import ReplyError, pack_args
 
 __all__ = ["Redlock"]
@@ -33,6 +34,8 @@ RETRY_BASE, RETRY_CAP = 0.010, 0.200
 DEFAULT_FENCE_TTL = 7 * 24 * 3600.0
 #: Leases per EXTEND_MANY call; bounds one script's run time on the master.
 RENEW_CHUNK = 500
+#: Keys remembered per client as "holders read the fence" (see ``eager_fence_keys``).
+DEFAULT_EAGER_FENCE_KEYS = 4096
 
 _instances: weakref.WeakSet[Redlock] = weakref.WeakSet()
 
@@ -60,6 +63,11 @@ class Redlock:
     :param fence_ttl: seconds an unused fence counter lives.
     :param restart_quarantine: seconds a master seen to restart stays out of the
         quorum; by default the longest TTL this client has used.
+    :param eager_fence_keys: how many keys this client remembers as fenced. Once a
+        lease's fence has been read, later acquires of the same key through this
+        client send the fence commit in the acquire round, so reading the fence then
+        costs no extra round trip (only waiting for the slowest master's reply). The
+        least recently used keys are forgotten beyond this many; 0 turns it off.
 
     One instance is safe to share between threads and survives ``fork()``: the
     child opens its own connections and holds none of the parent's leases.
@@ -74,6 +82,7 @@ class Redlock:
         clock_drift_factor: float = 0.01,
         fence_ttl: float = DEFAULT_FENCE_TTL,
         restart_quarantine: float | None = None,
+        eager_fence_keys: int = DEFAULT_EAGER_FENCE_KEYS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(masters, str | Mapping) or not isinstance(masters, Sequence):
@@ -89,6 +98,18 @@ class Redlock:
                 _number("restart_quarantine", restart_quarantine, allow_zero=True)
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(str(exc)) from None
+        if (
+            isinstance(eager_fence_keys, bool)
+            or not isinstance(eager_fence_keys, int)
+            or eager_fence_keys < 0
+        ):
+            raise ImproperlyConfigured(
+                f"eager_fence_keys must be an int >= 0 (0 turns it off), got {eager_fence_keys!r}"
+            )
+        self.eager_fence_keys = eager_fence_keys
+        #: keys whose holders read the fence (most recently used last)
+        self._fence_keys: OrderedDict[str, None] = OrderedDict()
+        self._fence_keys_lock = threading.Lock()
         if drift >= 0.5:
             raise ImproperlyConfigured(
                 f"clock_drift_factor must be in [0, 0.5), got {clock_drift_factor!r}"
@@ -396,6 +417,7 @@ class Redlock:
         decided: Callable[[RoundResult], bool] | None = None,
         *,
         wait_on_down: bool = False,
+        awaiting: Mapping[int, Slot] | None = None,
     ) -> RoundResult:
         result = run_round(
             lane.links,
@@ -405,6 +427,7 @@ class Redlock:
             reconnect_backoff=self.reconnect_backoff,
             decided=decided,
             wait_on_down=wait_on_down,
+            awaiting=awaiting,
         )
         for i, replies in enumerate(result.replies):
             if replies and any(isinstance(r, ReplyError) for r in replies):
@@ -435,19 +458,26 @@ class Redlock:
         renew_every: float,
         max_hold: float | None,
     ) -> Lease:
-        lock_key, meta_key, _ = self._keys(key)
+        lock_key, meta_key, fence_key = self._keys(key)
         companion_key = f"{lock_key}:{validate_suffix(meta_args[0])}"
         ttl_ms = max(1, int(ttl * 1000))
         n, q = len(self.masters), self.quorum
+        command = scripts.ACQUIRE.call(
+            3, lock_key, meta_key, companion_key, token, ttl_ms, *meta_args[1:]
+        )
+        proposal = 0
+        if key in self._fence_keys:
+            # Holders of this key read the fence: commit one in the same round (the
+            # FENCE script runs right after ACQUIRE on each master, so it finds the
+            # lock ours exactly where ACQUIRE took it).
+            proposal = _fence_proposal()
+            command += scripts.FENCE.call(
+                2, lock_key, fence_key, token, proposal, max(1, int(self.fence_ttl * 1000))
+            )
         with self._lane() as lane:
             start = self._clock()
             quarantined = self._quarantined(start)
-            payload = (
-                scripts.ACQUIRE.call(
-                    3, lock_key, meta_key, companion_key, token, ttl_ms, *meta_args[1:]
-                ),
-                1,
-            )
+            payload = (command, 2 if proposal else 1)
             payloads = [None if i in quarantined else payload for i in range(n)]
 
             def decided(r: RoundResult) -> bool:
@@ -477,7 +507,7 @@ class Redlock:
             deadline = start + ttl - self._drift(ttl)
             now = self._clock()
             if len(won) >= q and now < deadline:
-                return Lease(
+                lease = Lease(
                     self,
                     key,
                     token,
@@ -489,6 +519,9 @@ class Redlock:
                     max_hold=max_hold,
                     auto_renew=False,
                 )
+                if proposal:
+                    lease._eager_fence = (proposal, result.replies, result.late, quarantined)
+                return lease
             # Failed: undo wherever our SET may have landed. On a master that did
             # not answer, the release is queued behind the SET on the same link.
             undo = set(landed) | {i for i in result.errors if lane.links[i].connected}
@@ -605,12 +638,16 @@ class Redlock:
         )
 
     def _commit_fence(self, lease: Lease) -> int:
+        self._remember_fence_key(lease.key)
+        eager, lease._eager_fence = lease._eager_fence, None
+        if eager is not None:
+            fence = self._check_eager_fence(lease, *eager)
+            if fence is not None:
+                return fence
         lock_key, _, fence_key = self._keys(lease.key)
         n, q = len(self.masters), self.quorum
         fence_ttl_ms = max(1, int(self.fence_ttl * 1000))
-        # Seeded from the wall clock (microseconds) so that a counter lost with a
-        # restarted master, or expired, still yields larger tokens than before.
-        proposal = max(1, time.time_ns() // 1000)
+        proposal = _fence_proposal()
         for _ in range(8):
             payload = (
                 scripts.FENCE.call(2, lock_key, fence_key, lease.token, proposal, fence_ttl_ms),
@@ -652,6 +689,54 @@ class Redlock:
         raise QuorumUnavailable(  # pragma: no cover - needs 8 racing proposals in a row
             f"could not commit a fence for {lease.key!r}", lease.key, self.master_names
         )
+
+    def _remember_fence_key(self, key: str) -> None:
+        if not self.eager_fence_keys:
+            return
+        with self._fence_keys_lock:
+            keys = self._fence_keys
+            keys[key] = None
+            keys.move_to_end(key)
+            if len(keys) > self.eager_fence_keys:
+                keys.popitem(last=False)
+
+    def _check_eager_fence(
+        self,
+        lease: Lease,
+        proposal: int,
+        replies: list[list[object] | None],
+        late: Mapping[int, Slot],
+        quarantined: set[int],
+    ) -> int | None:
+        """The fence committed in the acquire round, or None to commit one now.
+
+        The acquire round stopped at the first quorum; the other masters' replies
+        (which also carry their counters) are collected first, so that, as in the
+        separate round, every reachable master's counter is compared with the
+        proposal. Usually they are already in the socket buffers.
+        """
+        n, q = len(self.masters), self.quorum
+        replies = list(replies)
+        if late:
+            with self._lane(lease._lane) as lane:
+                result = self._round(lane, [None] * n, awaiting=late)
+            for i, x in enumerate(result.replies):
+                if x is not None:
+                    replies[i] = x
+            quarantined = quarantined | self._quarantined(self._clock())
+        accepted = 0
+        for i, x in enumerate(replies):
+            if x is None or len(x) < 2:
+                continue
+            code = _code(x[1:])
+            if code == 1:
+                accepted += i not in quarantined
+            elif _value(x[1:]) >= proposal:
+                return None  # a counter at or above it: propose again, higher
+        if accepted < q:
+            return None
+        lease.ensure_held()
+        return proposal
 
     def _renew_many(self, leases: Sequence[Lease], ttls: Sequence[float]) -> list[str]:
         """Extend ``leases[i]`` to ``ttls[i]`` on every master in one round.
@@ -737,6 +822,13 @@ class Redlock:
                 link.forget()
         self._lanes = []
         self._renew_lane = None
+        self._fence_keys_lock = threading.Lock()
+
+
+def _fence_proposal() -> int:
+    # Seeded from the wall clock (microseconds) so that a counter lost with a
+    # restarted master, or expired, still yields larger tokens than before.
+    return max(1, time.time_ns() // 1000)
 
 
 def _code(reply: list[object]) -> int:

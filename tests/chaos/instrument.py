@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from celery_redlock.lock import Lease, Redlock
 from celery_redlock.lock.fanout import Lane, RoundResult
 from celery_redlock.lock.lease import HELD, RELEASED
+from celery_redlock.lock.master import Slot
 from celery_redlock.lock.resp import pack
 
 from .history import History, ns
@@ -127,6 +128,7 @@ class InstrumentedRedlock(Redlock):
         decided: Callable[[RoundResult], bool] | None = None,
         *,
         wait_on_down: bool = False,
+        awaiting: Mapping[int, Slot] | None = None,
     ) -> RoundResult:
         now = self._clock()
         connects = sum(
@@ -137,7 +139,9 @@ class InstrumentedRedlock(Redlock):
             and now >= lane.links[i].master.connect_after
         )
         started = time.monotonic_ns()
-        result = super()._round(lane, payloads, decided, wait_on_down=wait_on_down)
+        result = super()._round(
+            lane, payloads, decided, wait_on_down=wait_on_down, awaiting=awaiting
+        )
         took = time.monotonic_ns() - started
         self.history.write(
             "rpc",

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from celery_redlock.exceptions import LockLost
+from celery_redlock import Redlock
+from celery_redlock.exceptions import ImproperlyConfigured, LockLost
 from celery_redlock.testing import Masters, wait_for
 
 from . import helpers
@@ -79,17 +80,29 @@ def test_tokens_increase_while_masters_restart_empty(masters: Masters, tmp_path:
     assert_fences_increase(holds)
 
 
+def learn_fenced(rl: Redlock, key: str) -> None:
+    """One fence read on ``key``: later acquires of it commit the fence in their round."""
+    with rl.lock(key, 5) as lease:
+        _ = lease.fence
+    assert key in rl._fence_keys
+
+
 @pytest.mark.parametrize("masters", [3], indirect=True)
 @pytest.mark.parametrize(
     "counters",
     [(5, 0, 0), (AHEAD_US, 0, 0), (AHEAD_US, AHEAD_US, 0), (0, 0, AHEAD_US)],
     ids=["5-0-0", "ahead-0-0", "ahead-ahead-0", "0-0-ahead"],
 )
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 def test_token_beats_every_counter_a_master_reports(
-    masters: Masters, counters: tuple[int, int, int]
+    masters: Masters, counters: tuple[int, int, int], eager: bool
 ) -> None:
     """The issue's 5,0,0 case: the last token lives on master 0, which the new holder
-    does not hold (someone's stale key is still there); it wins on masters 1 and 2."""
+    does not hold (someone's stale key is still there); it wins on masters 1 and 2.
+    Eager: the fence was committed in the acquire round, which reads the same counters."""
+    rl = make_redlock(masters)
+    if eager:
+        learn_fenced(rl, "k")
     now_us = time.time_ns() // 1000  # the counters are wall-clock seeded
     values = [c + now_us if c >= AHEAD_US else c for c in counters]
     fence_key = lock_name("k", "fence")
@@ -99,8 +112,8 @@ def test_token_beats_every_counter_a_master_reports(
                 conn.set(fence_key, value)
     with masters[0].client() as conn:
         conn.set(lock_name("k"), "stale-holder", px=30000)
-    rl = make_redlock(masters)
     lease = rl.acquire("k", 10)
+    assert (lease._eager_fence is not None) == eager
     assert [value_on(s, lock_name("k")) for s in masters] == ["stale-holder"] + [lease.token] * 2
     token = lease.fence
     assert token > max(values)
@@ -121,6 +134,74 @@ def test_fence_read_twice_costs_one_round(masters: Masters) -> None:
     assert lease.fence == first
     assert [command_calls(s) for s in masters] == after_first
     lease.release()
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_eager_fence_costs_no_round_of_its_own(masters: Masters) -> None:
+    rl = make_redlock(masters)
+    learn_fenced(rl, "eager")
+    tokens = []
+    for _ in range(5):
+        before = [command_calls(s) for s in masters]
+        lease = rl.acquire("eager", 10)
+        token = lease.fence
+        # ACQUIRE and FENCE, in one write per master; reading the fence sent nothing more.
+        assert [command_calls(s) - b for s, b in zip(masters, before, strict=True)] == [2, 2, 2]
+        assert [value_on(s, lock_name("eager", "fence")) for s in masters] == [str(token)] * 3
+        tokens.append(token)
+        lease.release()
+    assert tokens == sorted(set(tokens))
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_eager_fence_waits_for_a_late_master_that_reports_a_higher_counter(
+    masters: Masters,
+) -> None:
+    """The acquire round stops at 2 of 3; the third master (busy, then answering with a
+    counter far ahead) is read before the token is handed out, which is then larger."""
+    rl = make_redlock(masters, node_timeout=0.5)
+    learn_fenced(rl, "late")
+    ahead = time.time_ns() // 1000 + AHEAD_US
+    with masters[2].client() as conn:
+        conn.set(lock_name("late", "fence"), ahead)
+        conn.set(lock_name("late"), "stale-holder", px=30000)
+    # Keep master 2 busy for 150 ms (a script that spins), sent just before the acquire.
+    busy = masters[2].client()
+    spin = (
+        "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] "
+        "repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - s > 150000 return 1"
+    )
+    busy_conn = busy.connection_pool.get_connection()
+    try:
+        busy_conn.send_command("EVAL", spin, 0)
+        lease = rl.acquire("late", 10)
+        assert lease._eager_fence is not None
+        assert 2 in lease._eager_fence[2], "master 2 answered within the acquire round"
+        token = lease.fence
+        assert token > ahead
+        busy_conn.read_response()
+    finally:
+        busy.connection_pool.release(busy_conn)
+        busy.close()
+    lease.release()
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_eager_fence_keys_is_bounded_and_can_be_turned_off(masters: Masters) -> None:
+    rl = make_redlock(masters, eager_fence_keys=2)
+    for key in ("a", "b", "c"):
+        learn_fenced(rl, key)
+    assert list(rl._fence_keys) == ["b", "c"]
+    off = make_redlock(masters, eager_fence_keys=0)
+    with off.lock("d", 5) as lease:
+        _ = lease.fence
+    assert not off._fence_keys
+    lease = off.acquire("d", 5)
+    assert lease._eager_fence is None
+    lease.release()
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ImproperlyConfigured, match="eager_fence_keys must be an int >= 0"):
+            make_redlock(masters, eager_fence_keys=bad)
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
