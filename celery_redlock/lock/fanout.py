@@ -120,10 +120,14 @@ def run_round(
         else:
             errors[i] = links[i].master.last_error or "connection closed since"
     deadline = clock() + node_timeout
-    pending = dict(slots)
+    pending = slots
+    # Every master was sent its payload and nothing is known yet: the first look at
+    # ``decided`` can wait for the first replies.
+    blank = len(slots) == n and not awaiting
     while pending:
-        if decided is not None and decided(result):
+        if decided is not None and not blank and decided(result):
             break
+        blank = False
         if not wait_on_down and all(links[i].master.down for i in pending):
             # Nothing we are still waiting for is known to be up: take what is
             # already there without blocking, and stop.

@@ -103,8 +103,9 @@ class Lease:
         self._mutex = threading.RLock()
         # Held across the fence round trip; _mutex is not, because that round may
         # mark the lease lost (_lose takes _mutex) and the renewal engine must never
-        # wait on one lease's network call.
-        self._fence_lock = threading.Lock()
+        # wait on one lease's network call. Made on first read (most leases never
+        # read the fence), under _mutex.
+        self._fence_lock: threading.Lock | None = None
 
     def __repr__(self) -> str:
         return f"<Lease {self.key!r} {self.state} remaining={self.remaining():.3f}s>"
@@ -154,6 +155,12 @@ class Lease:
         trip; later reads are free). Raises :class:`LockLost` when the lease is
         no longer held and :class:`QuorumUnavailable` when too few masters answer.
         """
+        if self._fence is not None:
+            return self._fence
+        if self._fence_lock is None:
+            with self._mutex:
+                if self._fence_lock is None:
+                    self._fence_lock = threading.Lock()
         with self._fence_lock:
             if self._fence is None:
                 self.ensure_held()

@@ -425,19 +425,31 @@ class Link:
             return
         if not data:
             raise ConnectionError("connection closed by the master")
-        self.reader.feed(data)
-        if not self._nonblocking:
-            while _pending(sock):
-                self.reader.feed(sock.recv(262144))
         self.master.mark_up()
         outstanding = self.outstanding
+        reader = self.reader
+        if (
+            outstanding
+            and data[0] == 58  # ':' an integer reply, the answer of most of our scripts,
+            and data.find(b"\r\n") == len(data) - 2  # alone in this read,
+            and reader.empty()  # with nothing buffered before it: no parser needed
+        ):
+            slot = outstanding[0]
+            slot.replies.append(int(data[1:-2]))
+            if len(slot.replies) >= slot.expected:
+                outstanding.popleft()
+            return
+        reader.feed(data)
+        if not self._nonblocking:
+            while _pending(sock):
+                reader.feed(sock.recv(262144))
         while outstanding:
-            reply = self.reader.next()
+            reply = reader.next()
             if reply is INCOMPLETE:
                 break
             slot = outstanding[0]
             slot.replies.append(reply)
-            if slot.done:
+            if len(slot.replies) >= slot.expected:
                 outstanding.popleft()
 
 

@@ -34,6 +34,8 @@ RETRY_BASE, RETRY_CAP = 0.010, 0.200
 DEFAULT_FENCE_TTL = 7 * 24 * 3600.0
 #: Leases per EXTEND_MANY call; bounds one script's run time on the master.
 RENEW_CHUNK = 500
+#: Key names kept ready per client (the cache starts over when full).
+NAMES_CACHED = 4096
 #: Keys remembered per client as "holders read the fence" (see ``eager_fence_keys``).
 DEFAULT_EAGER_FENCE_KEYS = 4096
 
@@ -110,6 +112,8 @@ class Redlock:
         #: keys whose holders read the fence (most recently used last)
         self._fence_keys: OrderedDict[str, None] = OrderedDict()
         self._fence_keys_lock = threading.Lock()
+        #: key -> its lock, metadata and fence counter names (see _keys)
+        self._names: dict[str, tuple[str, str, str]] = {}
         if drift >= 0.5:
             raise ImproperlyConfigured(
                 f"clock_drift_factor must be in [0, 0.5), got {clock_drift_factor!r}"
@@ -365,10 +369,17 @@ class Redlock:
 
         Built here rather than by three :func:`redis_key` calls because this runs on
         every acquire, extend and release: the prefix was validated once, in
-        ``__init__``, and the suffixes are constants.
+        ``__init__``, the suffixes are constants, and the names of recently used keys
+        are kept.
         """
-        lock_key = f"{self.key_prefix}:{{{validate_key(key)}}}"
-        return lock_key, lock_key + ":meta", lock_key + ":fence"
+        names = self._names.get(key)
+        if names is None:
+            lock_key = f"{self.key_prefix}:{{{validate_key(key)}}}"
+            names = (lock_key, lock_key + ":meta", lock_key + ":fence")
+            if len(self._names) >= NAMES_CACHED:
+                self._names.clear()
+            self._names[key] = names
+        return names
 
     # -- lanes -------------------------------------------------------------------
 
@@ -430,7 +441,7 @@ class Redlock:
             awaiting=awaiting,
         )
         for i, replies in enumerate(result.replies):
-            if replies and any(isinstance(r, ReplyError) for r in replies):
+            if replies and ReplyError in map(type, replies):
                 error = next(r for r in replies if isinstance(r, ReplyError))
                 if "NOSCRIPT" in str(error):
                     # Scripts flushed on the master: reconnecting loads them again.
@@ -478,17 +489,31 @@ class Redlock:
             start = self._clock()
             quarantined = self._quarantined(start)
             payload = (command, 2 if proposal else 1)
-            payloads = [None if i in quarantined else payload for i in range(n)]
+            if quarantined:
+                payloads = [None if i in quarantined else payload for i in range(n)]
+            else:
+                payloads = [payload] * n
 
             def decided(r: RoundResult) -> bool:
-                # A link that reconnects during the round may find its master restarted.
-                out = quarantined | self._quarantined(self._clock())
                 ok = held = 0
-                for i, x in enumerate(r.replies):
-                    if x is not None and i not in out:
-                        ok += x[0] == 1
-                        held += x[0] != 1
-                unreachable = len(out | r.errors.keys())
+                if master_mod.restarts_seen:
+                    # A link that reconnects during the round may find its master restarted.
+                    out = quarantined | self._quarantined(self._clock())
+                    for i, x in enumerate(r.replies):
+                        if x is not None and i not in out:
+                            if x[0] == 1:
+                                ok += 1
+                            else:
+                                held += 1
+                    unreachable = len(out | r.errors.keys())
+                else:  # the usual case: count the replies, nothing is kept out
+                    for x in r.replies:
+                        if x is not None:
+                            if x[0] == 1:
+                                ok += 1
+                            else:
+                                held += 1
+                    unreachable = len(r.errors)
                 if ok >= q:
                     return True
                 # Stop once winning is impossible *and* contention can be told from an
@@ -496,14 +521,19 @@ class Redlock:
                 return unreachable + held > n - q and (ok + held >= q or unreachable > n - q)
 
             result = self._round(lane, payloads, decided)
-            quarantined |= self._quarantined(self._clock())
-            landed = [i for i, x in enumerate(result.replies) if x is not None and x[0] == 1]
-            won = [i for i in landed if i not in quarantined]
-            held = [
-                i
-                for i, x in enumerate(result.replies)
-                if x is not None and x[0] != 1 and i not in quarantined
-            ]
+            if master_mod.restarts_seen:
+                quarantined |= self._quarantined(self._clock())
+            landed: list[int] = []
+            won: list[int] = []
+            held: list[int] = []
+            for i, x in enumerate(result.replies):
+                if x is not None:
+                    if x[0] == 1:
+                        landed.append(i)
+                        if i not in quarantined:
+                            won.append(i)
+                    elif i not in quarantined:
+                        held.append(i)
             deadline = start + ttl - self._drift(ttl)
             now = self._clock()
             if len(won) >= q and now < deadline:
@@ -575,7 +605,13 @@ class Redlock:
         q = self.quorum
 
         def decided(r: RoundResult) -> bool:
-            return not wait or sum(1 for x in r.replies if x is not None and x[0] == 1) >= q
+            if not wait:
+                return True
+            deleted = 0
+            for x in r.replies:
+                if x is not None and x[0] == 1:
+                    deleted += 1
+            return deleted >= q
 
         with self._lane(lease._lane) as lane:
             result = self._round(lane, [payload] * len(self.masters), decided)

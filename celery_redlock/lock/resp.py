@@ -84,6 +84,10 @@ class RespReader:
         self._buf.clear()
         self._pos = 0
 
+    def empty(self) -> bool:
+        """True when every byte fed so far has been parsed."""
+        return self._pos == len(self._buf)
+
     def next(self) -> object:
         """Return the next whole reply, or :data:`INCOMPLETE`."""
         try:
