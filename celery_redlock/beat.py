@@ -51,6 +51,7 @@ from .client import redlock_for
 from .exceptions import LockContended, QuorumUnavailable, RedlockError
 from .lock import Lease
 from .settings import get_settings
+from .task import drop_held_duplicate
 
 __all__ = ["OCCURRENCE_HEADER", "BeatLeader", "DropDuplicateOccurrences", "guard_scheduler"]
 
@@ -477,10 +478,11 @@ def is_duplicate_occurrence(app: Any, occurrence: str, task_id: str) -> bool:
 
 
 class DropDuplicateOccurrences(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumer bootstep: drop a beat message whose occurrence already ran or runs.
+    """Consumer bootstep: drop a beat message whose occurrence already ran or runs,
+    and a skip-on-contention job whose key is locked (:func:`drop_held_duplicate`).
 
     Celery's signals cannot stop a task, so this wraps the consumer's task
-    strategies; a message without our header costs one dict lookup.
+    strategies; a message of a plain task costs a few dict lookups.
     """
 
     name = "celery_redlock.drop_duplicate_occurrences"
@@ -497,6 +499,8 @@ class DropDuplicateOccurrences(bootsteps.StartStopStep):  # type: ignore[misc]
 def _wrap_strategy(
     app: Any, name: str, strategy: Callable[..., Any], connection_errors: tuple[Any, ...] = ()
 ) -> Callable[..., Any]:
+    recent: dict[str, float] = {}  # keys of this task just dispatched
+
     def handler(
         message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any
     ) -> Any:
@@ -521,6 +525,9 @@ def _wrap_strategy(
                 # the worker.
                 ack(logger, connection_errors)
                 return None
+        elif drop_held_duplicate(app.tasks.get(name), message, headers, recent):
+            ack(logger, connection_errors)
+            return None
         return strategy(message, body, ack, reject, callbacks, **kwargs)
 
     handler._redlock_wrapped = True  # type: ignore[attr-defined]

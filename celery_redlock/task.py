@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from celery import Task, states
+from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 
@@ -90,6 +91,70 @@ class _Interrupter:
                 ctypes.c_ulong(self._thread_id), ctypes.py_object(LockLostInterrupt)
             )
             return True
+
+
+#: Keys the worker's main process remembers as just dispatched (see drop_held_duplicate).
+RECENT_KEYS_MAX = 10_000
+
+
+def drop_held_duplicate(
+    task: Any, message: Any, headers: Mapping[str, Any], recent: dict[str, float]
+) -> bool:
+    """Before a job goes to the pool: drop it if it would only be skipped there.
+
+    Runs in the worker's main process. True (the caller acks the message) when
+    ``task`` is a :class:`SingletonTask` with ``on_contention="skip"`` and the job's
+    key is locked on a quorum right now: the job ends as its run would have ended it
+    (IGNORED stored, ``lock_contended`` sent with action ``"skip"``, its dedupe
+    marker cleared, a log line), without the trip through the pool and Celery's
+    handling of ``Ignore``, which costs milliseconds per job in a storm of duplicates.
+
+    Only a key dispatched within the last ``lock_ttl`` is read (a burst of duplicates);
+    other jobs pay a dict lookup. Any doubt (a body that does not decode, a key that
+    cannot be built, masters unavailable, an ``eta``) lets the job through, and its
+    run decides.
+    """
+    if not isinstance(task, SingletonTask) or headers.get("eta"):
+        return False
+    try:
+        opts = task.redlock_options()
+        if opts.on_contention != "skip":
+            return False
+        args, kwargs, _ = message.decode()
+        key = opts.lock_key(args, kwargs)
+    except Exception:  # noqa: BLE001 - the run reports it properly
+        return False
+    now = time.monotonic()
+    last = recent.get(key)
+    if last is None or now - last > opts.lock_ttl:
+        if len(recent) >= RECENT_KEYS_MAX:
+            recent.clear()
+        recent[key] = now
+        return False
+    try:
+        held = redlock_for(task.app).held_elsewhere(key)
+    except Exception:  # noqa: BLE001 - masters unavailable: the run decides
+        return False
+    recent[key] = now
+    if not held:
+        return False
+    task_id = headers.get("id") or ""
+    signals.lock_contended.send(
+        sender=task, key=key, task_id=task_id, action="skip", countdown=None, attempt=0
+    )
+    task._drop_dedupe_marker(key, opts, task_id)
+    logger.info("%s[%s]: %s is held elsewhere; skipped before dispatch", task.name, task_id, key)
+    task._store_ignored(
+        Context(
+            id=task_id,
+            task=task.name,
+            args=args,
+            kwargs=kwargs,
+            ignore_result=headers.get("ignore_result", False),
+        ),
+        key,
+    )
+    return True
 
 
 def _header(request: Any, name: str) -> Any:

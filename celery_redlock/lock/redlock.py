@@ -20,7 +20,7 @@ from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
 from .master import Link, Master, MasterSpec, Slot, make_master
-from .resp import ReplyError, pack_args
+from .resp import ReplyError, pack, pack_args
 
 __all__ = ["Redlock"]
 
@@ -349,6 +349,43 @@ class Redlock:
                 )
             time.sleep(full_jitter(attempt, RETRY_BASE, RETRY_CAP))
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
+
+    def held_elsewhere(self, key: str) -> bool:
+        """True when ``key`` is locked on a quorum right now, so an acquire would fail.
+
+        One read (``GET`` on every master, decided as soon as the answer is certain)
+        for callers that can drop work early instead of trying to take the lock.
+        Raises :class:`QuorumUnavailable` when too few masters answer.
+        """
+        lock_key = self._keys(key)[0]
+        payload = (pack(("GET", lock_key)), 1)
+        n, q = len(self.masters), self.quorum
+
+        def count(r: RoundResult) -> tuple[int, int]:
+            present = absent = 0
+            for x in r.replies:
+                if x is not None:
+                    if x[0] is None:
+                        absent += 1
+                    else:
+                        present += 1
+            return present, absent
+
+        def decided(r: RoundResult) -> bool:
+            present, absent = count(r)
+            return present >= q or absent > n - q
+
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * n, decided)
+        present, absent = count(result)
+        if present >= q or absent > n - q:
+            return present >= q
+        raise QuorumUnavailable(
+            f"only {present + absent} of {n} masters answered the read of {key!r}, {q} needed",
+            key,
+            self.master_names,
+            self._errors(result),
+        )
 
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
         """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""

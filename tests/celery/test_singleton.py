@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from celery.signals import task_prerun
 
 from celery_redlock import ImproperlyConfigured, LockContended, Redlock, SingletonTask
 from celery_redlock.testing import wait_for
@@ -90,6 +91,49 @@ def test_skip_runs_once_and_stores_ignored(
     assert [s.task_id for s in recorder.spans] == [first.id]
     assert AsyncResult(second.id, app=app).state == "IGNORED"
     assert signal_log.of("lock_contended", task_id=second.id, action="skip", key="nightly:mon")
+
+
+def test_skip_duplicates_of_a_held_key_are_dropped_before_the_pool(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog
+) -> None:
+    """A storm of duplicates while the first job runs: the worker's main process drops
+    them (IGNORED stored, signal sent) without handing them to the pool; once the key
+    is free again, the next duplicate runs."""
+    app = make_app()
+    gate = threading.Event()
+    started: list[str] = []
+
+    @app.task(
+        bind=True, base=SingletonTask, lock_key="feed:{name}", on_contention="skip", dedupe=None
+    )
+    def feed(self: Any, name: str) -> str:
+        with recorder.span(self.request.id):
+            gate.wait(10)
+        return name
+
+    def on_prerun(task_id: str | None = None, **_: Any) -> None:
+        started.append(str(task_id))
+
+    task_prerun.connect(on_prerun, weak=False)
+    try:
+        with run_worker(app), opened_on_exit(gate):
+            first = feed.delay("news")
+            recorder.wait_entered(1)
+            storm = [feed.delay("news") for _ in range(30)]
+            for result in storm:
+                wait_for(lambda r=result: _state(r) == "IGNORED", timeout=20, message="IGNORED")
+            assert started == [first.id], "a duplicate of a held key went to the pool"
+            gate.set()
+            assert first.get(timeout=10) == "news"
+            later = feed.delay("news")
+            assert later.get(timeout=10) == "news"
+    finally:
+        task_prerun.disconnect(on_prerun)
+    assert [s.task_id for s in recorder.spans] == [first.id, later.id]
+    skipped = {
+        c["task_id"] for c in signal_log.of("lock_contended", key="feed:news", action="skip")
+    }
+    assert skipped == {r.id for r in storm}
 
 
 @pytest.mark.parametrize("env", BROKERS, indirect=True)

@@ -415,3 +415,20 @@ def test_single_master_logs_a_note(masters: Masters, caplog: pytest.LogCaptureFi
     else:
         assert notes == []
         assert rl.quorum == len(masters) // 2 + 1
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_held_elsewhere_reads_whether_an_acquire_would_fail(masters: Masters) -> None:
+    rl, other = make_redlock(masters), make_redlock(masters)
+    assert rl.held_elsewhere("read") is False
+    lease = other.acquire("read", 10)
+    assert rl.held_elsewhere("read") is True
+    # Locked on one master only (a stale minority key): an acquire can still win.
+    lease.release()
+    with masters[0].client() as conn:
+        conn.set(lock_name("read"), "stale", px=10000)
+    assert rl.held_elsewhere("read") is False
+    masters[1].kill()
+    masters[2].kill()
+    with pytest.raises(QuorumUnavailable, match="only 1 of 3 masters answered the read"):
+        rl.held_elsewhere("read")
