@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from . import process
 from .lease import HELD
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class Heartbeat:
         self._ending: dict[int, str] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._pid = os.getpid()
+        self._pid = process.pid()
         #: ticks run and leases renewed, for tests and benchmarks
         self.ticks = 0
         self.renewals = 0
@@ -256,9 +257,9 @@ _lock = threading.Lock()
 def engine() -> Heartbeat:
     """This process's renewal engine, created on first use."""
     global _engine
-    if _engine is None or _engine._pid != os.getpid():
+    if _engine is None or _engine._pid != process.pid():
         with _lock:
-            if _engine is None or _engine._pid != os.getpid():
+            if _engine is None or _engine._pid != process.pid():
                 _engine = Heartbeat()
     return _engine
 
@@ -288,7 +289,7 @@ def _after_fork_in_child() -> None:
 
 
 def _at_exit() -> None:
-    if _engine is not None and _engine._pid == os.getpid():
+    if _engine is not None and _engine._pid == process.pid():
         _engine.release_all()
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import LockLost
+from . import process
 
 if TYPE_CHECKING:
     from .fanout import Lane
@@ -88,7 +88,7 @@ class Lease:
         self.lost_reason: str | None = None
         self._deadline = deadline
         self._lane = lane
-        self._pid = os.getpid()
+        self._pid = process.pid()
         self._state = HELD
         self._fence: int | None = None
         #: (proposal, replies, late slots, quarantined) when the acquire round also
@@ -120,13 +120,13 @@ class Lease:
         """True while the lease is neither released nor lost and its validity lasts."""
         return (
             self._state == HELD
-            and self._pid == os.getpid()
+            and self._pid == process.pid()
             and self.redlock._clock() < self._deadline
         )
 
     def remaining(self) -> float:
         """Seconds of validity left (0.0 once released, lost or expired)."""
-        if self._state != HELD or self._pid != os.getpid():
+        if self._state != HELD or self._pid != process.pid():
             return 0.0
         return max(0.0, self._deadline - self.redlock._clock())
 
@@ -189,7 +189,7 @@ class Lease:
         connections, which Redis runs after the release. For a caller that has
         nothing left to order after the release (a task body that returned).
         """
-        if self._pid != os.getpid():
+        if self._pid != process.pid():
             logger.debug("not releasing %r: it belongs to process %d", self.key, self._pid)
             return False
         with self._mutex:

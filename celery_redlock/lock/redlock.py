@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
-from . import heartbeat, scripts
+from . import heartbeat, process, scripts
 from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
@@ -195,7 +194,7 @@ class Redlock:
         for field, value in (meta or {}).items():
             meta_args += [str(field), str(value)]
         self._max_ttl = max(self._max_ttl, ttl)
-        token = secrets.token_hex(16)
+        token = process.token_hex()
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         attempt = 0
         while True:

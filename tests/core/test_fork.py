@@ -194,3 +194,18 @@ def test_fork_while_parent_threads_hold_locks(masters: Masters) -> None:
         done.set()
         for thread in holders:
             thread.join(timeout=5)
+
+
+def test_tokens_and_pid_are_drawn_anew_in_a_forked_child() -> None:
+    """Tokens come from random bytes drawn ahead: a child must not reuse the parent's."""
+    from celery_redlock.lock import process
+
+    process.token_hex()  # the parent now holds bytes for the next 255 tokens
+    child = run_in_fork(lambda: [process.pid(), os.getpid(), process.token_hex()])
+    assert child[0] == child[1] != os.getpid()
+    parent_next = process.token_hex()
+    assert len(child[2]) == len(parent_next) == 32
+    assert child[2] != parent_next
+    assert process.pid() == os.getpid()
+    tokens = {process.token_hex() for _ in range(1000)}  # several draws of 256
+    assert len(tokens) == 1000
