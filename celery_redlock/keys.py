@@ -300,6 +300,45 @@ def _bind(
     return result
 
 
+def _binder(
+    signature: inspect.Signature,
+) -> Callable[[Sequence[Any], Mapping[str, Any]], dict[str, Any]]:
+    """:func:`_bind` for one signature, fast for plain parameters.
+
+    ``Signature.bind`` costs about 10 µs per call, on every publish and every run. For a
+    signature of plain parameters (no ``*args``, ``**kwargs`` or positional-only ones)
+    the binding is a zip and a few dict operations; a call that does not fit (a missing,
+    unknown, extra or repeated argument) goes to ``Signature.bind``, which raises the
+    same ``TypeError`` as before. The result holds the same names and values as
+    :func:`_bind`'s (the digest does not depend on their order).
+    """
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = list(signature.parameters.values())
+    if any(p.kind not in plain for p in parameters):
+        return lambda args, kwargs: _bind(signature, args, kwargs)
+    positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    names = frozenset(p.name for p in parameters)
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    count = len(parameters)
+
+    def bind(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if len(args) <= len(positional):
+            result = dict(zip(positional, args, strict=False))
+            for name, value in kwargs.items():
+                if name in result or name not in names:
+                    break
+                result[name] = value
+            else:
+                for name, default in defaults.items():
+                    if name not in result:
+                        result[name] = default
+                if len(result) == count:
+                    return result
+        return _bind(signature, args, kwargs)  # raises the TypeError a call would
+
+    return bind
+
+
 def _read_signature(func: Callable[..., object], task_name: str) -> inspect.Signature:
     try:
         return inspect.signature(func)
@@ -372,8 +411,10 @@ def _compile_template(template: str, signature: inspect.Signature, task_name: st
         if root not in names and not open_ended:
             raise _unknown_name(task_name, what, root, names)
 
+    bind = _binder(signature)
+
     def build(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        arguments = _bind(signature, args, kwargs)
+        arguments = bind(args, kwargs)
         try:
             key = template.format_map(arguments)
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
@@ -417,9 +458,10 @@ def _compile_default(
                 raise _unknown_name(task_name, "unique_on", name, names)
     if unique_on == ():
         return lambda args, kwargs: task_name
+    bind = _binder(signature)
 
     def build(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        arguments = _bind(signature, args, kwargs)
+        arguments = bind(args, kwargs)
         if unique_on is not None:
             # A name only a **kwargs catch-all could supply may be absent from a call;
             # leaving it out distinguishes that call from one passing None.

@@ -82,6 +82,34 @@ def test_arguments_that_do_not_fit_the_signature_raise_type_error() -> None:
         bind_arguments(sync, (1,), {"nope": 2})
 
 
+def test_the_fast_binder_agrees_with_signature_bind() -> None:
+    import inspect
+
+    from celery_redlock.keys import _bind, _binder
+
+    def plain(a: int, b: int = 2, *, c: int = 3, d: int) -> None: ...
+
+    signature = inspect.signature(plain)
+    bind = _binder(signature)
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((1,), {"d": 4}),
+        ((1, 5), {"d": 4, "c": 0}),
+        ((), {"a": 1, "d": 4}),
+        ((), {"d": 4, "b": 7, "a": 1}),
+    ]
+    for args, kwargs in calls:
+        assert bind(args, kwargs) == _bind(signature, args, kwargs)
+    bad: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((1,), {}),  # d missing
+        ((1, 2, 3), {"d": 4}),  # too many positionals
+        ((1,), {"a": 1, "d": 4}),  # a twice
+        ((1,), {"d": 4, "e": 5}),  # unknown name
+    ]
+    for args, kwargs in bad:
+        with pytest.raises(TypeError):
+            bind(args, kwargs)
+
+
 # -- the default key ----------------------------------------------------------------------
 
 
