@@ -42,6 +42,8 @@ logger = logging.getLogger("celery_redlock.heartbeat")
 
 #: Leases due within this share of their renew interval are renewed in the same tick.
 COALESCE = 0.25
+#: Entries of released leases the renewal heap may carry beyond the live ones.
+COMPACT_SLACK = 64
 #: Seconds interpreter exit may spend releasing leases still held.
 EXIT_BUDGET = 2.0
 
@@ -84,10 +86,21 @@ class Heartbeat:
                 self._cond.notify()
 
     def remove(self, lease: Lease) -> None:
-        """Stop renewing ``lease`` (its heap entry is dropped when it comes up)."""
+        """Stop renewing ``lease``.
+
+        Its heap entry is dropped when it comes up, or when entries of released leases
+        outnumber the live ones (a worker running short tasks releases hundreds of
+        leases per renew interval): then the heap is rebuilt from the live ones, so it
+        holds at most about twice as many entries, and no released lease stays in memory
+        for a whole renew interval.
+        """
         with self._cond:
             self._active.pop(id(lease), None)
             self._ending.pop(id(lease), None)
+            heap, active = self._heap, self._active
+            if len(heap) > 2 * len(active) + COMPACT_SLACK:
+                heap[:] = [entry for entry in heap if active.get(id(entry[2])) is entry[2]]
+                heapq.heapify(heap)
 
     def leases(self) -> list[Lease]:
         with self._cond:
