@@ -330,10 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     counted = [*r["per_entry"].values(), *fo.values()]
     duplicates = sum(d for _, d, _ in counted) + r["cron_duplicates"] + r["task_id_dups"]
-    missed = sum(m for _, _, m in counted)
+    missed = sum(m for _, _, m in counted) + r["cron_missed"]
     report.goal(Goal("duplicates (both runs)", float(duplicates), 0, at_least=False, unit=""))
     report.goal(
-        Goal("missed interval occurrences (both runs)", float(missed), 0, at_least=False, unit="")
+        Goal(
+            "missed occurrences, interval and crontab (both runs)",
+            float(missed),
+            0,
+            at_least=False,
+            unit="",
+        )
     )
     if args.save:
         report.save()
