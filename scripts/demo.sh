@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the demo: a Redlock over three real redis-server masters started for the occasion.
+# Run the demo (example_project/demo.py): the example Django + Celery project on three real
+# redis-server masters, with real workers and beats, started for the occasion.
 # Sets up .venv first (see scripts/_env.sh); arguments go to example_project/demo.py.
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
