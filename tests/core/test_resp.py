@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
+from celery_redlock.lock.master import Link, make_master
 from celery_redlock.lock.resp import INCOMPLETE, ReplyError, RespReader, pack
 from celery_redlock.testing import Masters
 
@@ -150,3 +152,39 @@ def test_codec_against_a_real_server(masters: Masters) -> None:
     assert replies[4:6] == [2, [b"x", b"y"]]
     assert isinstance(replies[6], ReplyError)
     assert "unknown command" in str(replies[6])
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_link_sends_a_payload_larger_than_the_socket_buffer(masters: Masters) -> None:
+    """Links are non-blocking: a send the kernel takes in parts is finished in parts."""
+    master = make_master(masters[0].url, 2.0)
+    link = Link(master)
+    link.connect(time.monotonic())
+    try:
+        assert link.sock is not None
+        assert link.sock.getblocking() is False
+        value = b"x" * (8 * 1024 * 1024)  # far more than a loopback send takes at once
+        slot = link.send(pack(("SET", "big", value), ("STRLEN", "big")), 2)
+        deadline = time.monotonic() + 10
+        while not slot.done and time.monotonic() < deadline:
+            if link.wait_readable(deadline - time.monotonic()):
+                link.read_available()
+        assert slot.replies == [b"OK", len(value)]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_link_gives_up_a_send_a_stopped_master_never_takes(masters: Masters) -> None:
+    master = make_master(masters[0].url, 0.3)
+    link = Link(master)
+    link.connect(time.monotonic())
+    masters[0].pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"could not send within 0\.3s"):
+            link.send(pack(("SET", "big", b"x" * (64 * 1024 * 1024))), 1)
+        assert time.monotonic() - started < 5
+    finally:
+        masters[0].resume()
+        link.close()
