@@ -110,9 +110,10 @@ def drop_held_duplicate(
     handling of ``Ignore``, which costs milliseconds per job in a storm of duplicates.
 
     Only a key dispatched within the last ``lock_ttl`` is read (a burst of duplicates);
-    other jobs pay a dict lookup. Any doubt (a body that does not decode, a key that
-    cannot be built, masters unavailable, an ``eta``) lets the job through, and its
-    run decides.
+    other jobs of such a task pay for building their key (a few µs), jobs of other
+    tasks an ``isinstance`` check and their task's cached options. Any doubt (a body
+    that does not decode, a key that cannot be built, masters unavailable, an ``eta``)
+    lets the job through, and its run decides.
     """
     if not isinstance(task, SingletonTask) or headers.get("eta"):
         return False
@@ -142,18 +143,14 @@ def drop_held_duplicate(
     signals.lock_contended.send(
         sender=task, key=key, task_id=task_id, action="skip", countdown=None, attempt=0
     )
-    task._drop_dedupe_marker(key, opts, task_id)
-    logger.info("%s[%s]: %s is held elsewhere; skipped before dispatch", task.name, task_id, key)
-    task._store_ignored(
-        Context(
-            id=task_id,
-            task=task.name,
-            args=args,
-            kwargs=kwargs,
-            ignore_result=headers.get("ignore_result", False),
-        ),
-        key,
+    request = Context(
+        id=task_id,
+        task=task.name,
+        args=args,
+        kwargs=kwargs,
+        ignore_result=headers.get("ignore_result", False),
     )
+    task._end_skipped(request, key, opts, "before dispatch")
     return True
 
 
@@ -484,14 +481,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             )
             self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
             raise Retry(f"lock {key} contended", exc=exc, when=countdown)
-        if policy != "retry":
-            # This job ends here: a dedupe marker naming it would make later publishes
-            # return a job that never runs (until the marker expires).
-            self._drop_dedupe_marker(key, opts, request.id)
         if policy == "skip":
-            logger.info("%s[%s]: %s is held elsewhere; skipped", self.name, request.id, key)
-            self._store_ignored(request, key)
+            self._end_skipped(request, key, opts, "")
             raise Ignore()
+        # This job ends here: a dedupe marker naming it would make later publishes
+        # return a job that never runs (until the marker expires).
+        self._drop_dedupe_marker(key, opts, request.id)
         if policy == "give_up":
             raise LockContended(
                 f"{key!r} still held after {attempt} contention reschedules "
@@ -528,6 +523,21 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         )
         self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1})
         raise Retry(f"lock service unavailable for {key}", exc=exc, when=countdown)
+
+    def _end_skipped(self, request: Any, key: str, opts: TaskOptions, when: str) -> None:
+        """End a job skipped on contention: its dedupe marker, a log line, IGNORED.
+
+        The caller sends ``lock_contended`` and, in a run, raises ``Ignore``.
+        """
+        self._drop_dedupe_marker(key, opts, request.id)
+        logger.info(
+            "%s[%s]: %s is held elsewhere; skipped%s",
+            self.name,
+            request.id,
+            key,
+            f" {when}" if when else "",
+        )
+        self._store_ignored(request, key)
 
     def _drop_dedupe_marker(self, key: str, opts: TaskOptions, task_id: str | None) -> None:
         if opts.dedupe is None or not task_id:

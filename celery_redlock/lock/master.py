@@ -292,7 +292,7 @@ class Link:
     order of our commands on that master, survives a slow reply.
     """
 
-    __slots__ = ("_conn", "_nonblocking", "master", "outstanding", "pid", "reader", "sock")
+    __slots__ = ("_conn", "_nonblocking", "master", "outstanding", "reader", "sock")
 
     def __init__(self, master: Master) -> None:
         self.master = master
@@ -304,7 +304,6 @@ class Link:
         self._nonblocking = False
         self.reader = RespReader()
         self.outstanding: deque[Slot] = deque()
-        self.pid = os.getpid()
 
     @property
     def connected(self) -> bool:

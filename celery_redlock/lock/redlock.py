@@ -733,16 +733,9 @@ class Redlock:
                 # which may not be the one that accepts this proposal first).
                 result = self._round(lane, [payload] * n)
                 quarantined |= self._quarantined(self._clock())
-            codes = {i: _code(x) for i, x in enumerate(result.replies) if x is not None}
-            accepted = sum(1 for i, c in codes.items() if c == 1 and i not in quarantined)
-            not_owner = sum(1 for c in codes.values() if c == 0)
-            # Counters at or above the proposal, also from masters where we are not the
-            # holder (they may carry the last token handed out).
-            higher = [
-                _value(x)
-                for x in result.replies
-                if x is not None and _code(x) != 1 and _value(x) >= proposal
-            ]
+            accepted, not_owner, higher = _fence_votes(
+                [x[0] if x else None for x in result.replies], proposal, quarantined
+            )
             if accepted >= q and not higher:
                 lease.ensure_held()
                 return proposal
@@ -796,17 +789,11 @@ class Redlock:
                 if x is not None:
                     replies[i] = x
             quarantined = quarantined | self._quarantined(self._clock())
-        accepted = 0
-        for i, x in enumerate(replies):
-            if x is None or len(x) < 2:
-                continue
-            code = _code(x[1:])
-            if code == 1:
-                accepted += i not in quarantined
-            elif _value(x[1:]) >= proposal:
-                return None  # a counter at or above it: propose again, higher
-        if accepted < q:
-            return None
+        accepted, _, higher = _fence_votes(
+            [x[1] if x and len(x) > 1 else None for x in replies], proposal, quarantined
+        )
+        if higher or accepted < q:
+            return None  # the separate round proposes again (past any higher counter)
         lease.ensure_held()
         return proposal
 
@@ -903,14 +890,28 @@ def _fence_proposal() -> int:
     return max(1, time.time_ns() // 1000)
 
 
-def _code(reply: list[object]) -> int:
-    value = reply[0]
-    return int(value[0]) if isinstance(value, list) and value else -1
+def _fence_votes(
+    replies: Sequence[object], proposal: int, quarantined: set[int]
+) -> tuple[int, int, list[int]]:
+    """Count FENCE replies, one per master (None where there is none).
 
-
-def _value(reply: list[object]) -> int:
-    value = reply[0]
-    return int(value[1]) if isinstance(value, list) and len(value) > 1 else 0
+    Returns (masters outside quarantine that accepted the proposal, masters where the
+    lock is not ours, counters at or above the proposal). The last also come from
+    masters where we are not the holder: they may carry the last token handed out.
+    """
+    accepted = not_owner = 0
+    higher: list[int] = []
+    for i, reply in enumerate(replies):
+        if not isinstance(reply, list) or len(reply) < 2:
+            continue
+        code, value = int(reply[0]), int(reply[1])
+        if code == 1:
+            accepted += i not in quarantined
+            continue
+        not_owner += code == 0
+        if value >= proposal:
+            higher.append(value)
+    return accepted, not_owner, higher
 
 
 def _flags(replies: list[object] | None) -> bytes | None:
