@@ -20,6 +20,7 @@ the table shows medians over rounds, and each ratio is the median of the per-rou
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,13 +66,17 @@ class Contender:
     acquire: Acquire
     release: Release
     extra: Callable[[Handle], object] | None = None
+    #: pids of the masters this contender uses, whose CPU time is counted per cycle
+    servers: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         return f"{self.library} ({self.masters})"
 
     def run(self, seconds: float) -> Run:
-        return timed_cycles(self.acquire, self.release, seconds, extra=self.extra)
+        return timed_cycles(
+            self.acquire, self.release, seconds, extra=self.extra, servers=self.servers
+        )
 
 
 def _client(url: str) -> redis.Redis:
@@ -128,6 +133,44 @@ def celery_redlock(urls: list[str], *, fence: bool = False, lazy: bool = False) 
     )
 
 
+def _cpu_table(contenders: list[Contender], results: dict[str, list[Run]]) -> list[str]:
+    """CPU per cycle (this process, and the masters it uses), and the rate it allows here.
+
+    Everything shares this machine's cores, so a contender cannot cycle faster than
+    ``cores / (client + masters CPU per cycle)``, however little it waits.
+    """
+    cores = os.cpu_count() or 1
+    rows = []
+    for c in contenders:
+        runs = results[c.name]
+        cycles = sum(run.cycles for run in runs)
+        if not cycles:
+            continue
+        client = sum(run.client_cpu for run in runs) / cycles * 1e6
+        server = sum(run.server_cpu for run in runs) / cycles * 1e6
+        ceiling = cores * 1e6 / (client + server)
+        rate = median(run.rate for run in runs)
+        rows.append(
+            [
+                c.library,
+                str(c.masters),
+                num(client),
+                num(server),
+                num(client + server),
+                num(ceiling),
+                f"{rate / ceiling:.0%}",
+            ]
+        )
+    return [
+        f"CPU per cycle over all rounds (µs; /proc and process_time). With {cores} cores shared",
+        "by the client and the masters, ceiling = cores / (client + masters CPU per cycle).",
+        *table(
+            ["library", "masters", "client", "masters", "total", "ceiling/s", "of ceiling"],
+            rows,
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__.splitlines()[0], rounds=8, seconds=0.6)
     args = parser.parse_args(argv)
@@ -148,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             pottery(urls[:5]),
             celery_redlock(urls[:5]),
         ]
+        for c in contenders:
+            c.servers = tuple(m.pid for m in masters[: c.masters])
         results = interleave(
             {c.name: c.run for c in contenders}, args.rounds, args.seconds, "lock", logs
         )
@@ -205,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{num(median(run.extra_mean_us() for run in runs), 1)} µs; acquire on the same "
             f"rows: mean {num(median(run.acquire_mean_us() for run in runs), 1)} µs",
         )
+    report.add("", *_cpu_table(contenders, results))
     report.add(
         "",
         *logs.summary(),

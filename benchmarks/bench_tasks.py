@@ -12,6 +12,7 @@ skips the duplicates.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,19 @@ from typing import Any
 
 import redis
 
-from benchmarks.common import REPO, Goal, Report, arguments, median, num, progress, table, times
+from benchmarks.common import (
+    REPO,
+    Goal,
+    Report,
+    arguments,
+    child_pids,
+    cpu_seconds,
+    median,
+    num,
+    progress,
+    table,
+    times,
+)
 from celery_redlock.testing import RedisServer, start_masters, wait_for
 
 STORM = 1000
@@ -55,13 +68,41 @@ def _drain(counter: redis.Redis, want: int, timeout: float) -> float:
     return time.perf_counter() - start
 
 
-def _throughput(task: Any, counter: redis.Redis, n: int, base: int) -> float:
+#: where the CPU of a job goes: column name -> the processes counted there
+Processes = dict[str, list[int]]
+
+
+def _cpu(processes: Processes) -> dict[str, float]:
+    out = {}
+    for name, pids in processes.items():
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(OSError):  # a pool process that was replaced
+                total += cpu_seconds(pid)
+        out[name] = total
+    return out
+
+
+def _throughput(
+    task: Any, counter: redis.Redis, n: int, base: int, processes: Processes
+) -> tuple[float, dict[str, float]]:
+    """Publish ``n`` jobs, wait until all ran: (jobs/s, CPU µs per job per column).
+
+    The publisher column counts this process while it publishes only (not while it
+    polls for the end); the others count the whole run.
+    """
     counter.set("bench:done", 0)
+    before = _cpu(processes)
     start = time.perf_counter()
+    publisher = time.process_time()
     for i in range(n):
         task.apply_async((base + i,))
+    publisher = time.process_time() - publisher
     _drain(counter, n, timeout=300)
-    return n / (time.perf_counter() - start)
+    rate = n / (time.perf_counter() - start)
+    after = _cpu(processes)
+    cpu = {name: (after[name] - before[name]) / n * 1e6 for name in processes}
+    return rate, {"publisher": publisher / n * 1e6, **cpu}
 
 
 def _storm(
@@ -127,7 +168,15 @@ def main(argv: list[str]) -> int:
         report = Report(
             "tasks", "End-to-end tasks/s through a prefork worker (Redis broker, 3 masters)"
         )
+        processes: Processes = {
+            "worker main": [worker.pid],
+            "pool processes": child_pids(worker.pid),
+            "3 masters": [m.pid for m in masters],
+            "broker": [broker_server.pid],
+            "counter Redis": [counter_server.pid],
+        }
         rates: dict[str, list[float]] = {name: [] for name in bench_app.TASKS}
+        cpus: dict[str, list[dict[str, float]]] = {name: [] for name in bench_app.TASKS}
         base = 1_000_000
         for rnd in range(args.rounds):
             order = list(bench_app.TASKS.items())
@@ -136,10 +185,24 @@ def main(argv: list[str]) -> int:
             for name, task in order:
                 progress(f"round {rnd + 1}: {name}")
                 base += args.tasks
-                rates[name].append(_throughput(task, counter, args.tasks, base))
+                rate, cpu = _throughput(task, counter, args.tasks, base, processes)
+                rates[name].append(rate)
+                cpus[name].append(cpu)
         plain = median(rates["plain task"])
         rows = [[name, num(median(r)), times(median(r) / plain)] for name, r in rates.items()]
         report.add("", *table(["contender", "tasks/s", "vs plain"], rows), "")
+        columns = ["publisher", *processes]
+        cpu_rows = []
+        for name, per_round in cpus.items():
+            cells = [median(c[column] for c in per_round) for column in columns]
+            cpu_rows.append([name, *(num(v) for v in cells), num(sum(cells))])
+        report.add(
+            "CPU per job in µs (medians over rounds; /proc, 10 ms ticks). Everything runs on",
+            "this machine's cores, so tasks/s follows the total. The counter Redis takes every",
+            "body's INCR, and celery-singleton's and celery-once's locks.",
+            *table(["contender", *columns, "total"], cpu_rows),
+            "",
+        )
 
         storm_rows = []
         storm_results: dict[str, tuple[int, int, float]] = {}

@@ -8,6 +8,7 @@ exactly what a reader needs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import hashlib
@@ -119,6 +120,10 @@ class Run:
     acquire_ns: list[int]
     extra_ns: list[int] = field(default_factory=list)
     failures: int = 0
+    #: CPU seconds the timed cycles cost: this process, and the servers ``timed_cycles``
+    #: was told to watch (``servers``)
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -146,6 +151,23 @@ def percentile(values: Sequence[int | float], q: float) -> float:
     return float(ordered[min(rank, len(ordered)) - 1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time process ``pid`` has used so far, all threads (``/proc``)."""
+    # Fields after the parenthesised command name start at field 3 (state): utime is
+    # field 14 and stime field 15 of proc(5).
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (``/proc/<pid>/task/*/children``)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(child) for child in (task / "children").read_text().split()]
+    return out
+
+
 def timed_cycles(
     acquire: Acquire,
     release: Release,
@@ -154,12 +176,15 @@ def timed_cycles(
     extra: Callable[[Handle], object] | None = None,
     warmup: int = 100,
     warmup_seconds: float = 0.05,
+    servers: Sequence[int] = (),
 ) -> Run:
     """Run acquire (timed), optional ``extra`` (timed apart), release, for ``seconds``.
 
     Only the ``acquire`` call is in the acquire latency; cycles/s counts whole cycles
     (acquire, extra, release) that got the lock. A falsy handle counts as a failure.
     Before timing, up to ``warmup`` cycles run untimed (at most ``warmup_seconds``).
+    The CPU time of this process and of the processes ``servers`` over the timed cycles
+    is kept in the run (``/proc`` counts in clock ticks, 10 ms: sum it over runs).
     """
     warm_until = time.perf_counter() + warmup_seconds
     for _ in range(warmup):
@@ -175,6 +200,8 @@ def timed_cycles(
     acquire_ns: list[int] = []
     extra_ns: list[int] = []
     failures = cycles = 0
+    client0 = time.process_time()
+    server0 = sum(cpu_seconds(pid) for pid in servers)
     start = now = clock()
     end = start + int(seconds * 1e9)
     while now < end:
@@ -191,7 +218,9 @@ def timed_cycles(
         else:
             failures += 1
         now = clock()
-    return Run(cycles, (now - start) / 1e9, acquire_ns, extra_ns, failures)
+    client = time.process_time() - client0
+    server = sum(cpu_seconds(pid) for pid in servers) - server0
+    return Run(cycles, (now - start) / 1e9, acquire_ns, extra_ns, failures, client, server)
 
 
 def interleave(
