@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from celery import Task, states
@@ -56,6 +56,17 @@ OCCURRENCE_HEADER = "redlock_occurrence"
 #: already owns its dedupe marker: such publishes must never be deduplicated.
 _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "redlock_republishing", default=False
+)
+#: True in a prefork pool process (``worker_process_init``, see wiring): the one pool whose
+#: main process kills a run at its hard time limit. Only there does renewal stop at that
+#: limit; threads and solo pools enforce no time limit, so a run goes on past it and must
+#: keep its lock.
+_time_limits_enforced = False
+
+#: Set by ``retry()``: frees the running job's lock right before its retry is published,
+#: and only then (Celery may instead raise MaxRetriesExceededError, the body going on).
+_before_republish: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "redlock_before_republish", default=None
 )
 
 
@@ -249,9 +260,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
 
+        if _republishing.get():
+            release = _before_republish.get()
+            if release is not None:
+                release()
+            return publish(task_id)
         if (
-            _republishing.get()
-            or link
+            link
             or link_error
             or options.get("chord")
             or options.get("group_id")
@@ -349,22 +364,37 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             self._release(request, wait=False)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, after releasing the lock so the retry never contends with us."""
+        """Celery's retry; the lock is released right before the retry is published.
+
+        So the retry never contends with this run, and when Celery publishes nothing
+        (``MaxRetriesExceededError``, or ``exc`` re-raised) the run keeps its lock until
+        it ends, and an ``"active"`` marker is cleared then. An eager retry runs inside
+        this call, so its lock is released first.
+        """
         request = self.request
-        lease = getattr(request, "redlock_lease", None)
-        if lease is not None:
-            # The job stays queued: an "active" marker stays too.
-            lease.clear_on_release = None
-            self._release(request)
+
+        def release_for_retry() -> None:
+            lease = getattr(request, "redlock_lease", None)
+            if lease is not None:
+                lease.clear_on_release = None  # the job stays queued: its marker too
+                self._release(request)
+
+        if request.is_eager:
+            release_for_retry()
         token = _republishing.set(True)
+        hook = _before_republish.set(release_for_retry)
         try:
             return super().retry(*args, **kwargs)
         finally:
+            _before_republish.reset(hook)
             _republishing.reset(token)
 
     # -- helpers --------------------------------------------------------------------------
 
     def _hard_time_limit(self, request: Any) -> float | None:
+        """The run's hard time limit where the pool enforces it (prefork), else None."""
+        if not _time_limits_enforced:
+            return None
         limits = getattr(request, "timelimit", None) or (None, None)
         hard = limits[0] if limits else None
         hard = hard or self.time_limit or self.app.conf.task_time_limit

@@ -44,6 +44,9 @@ def install(app: Any) -> None:
     celery_signals.task_failure.connect(
         _on_task_failure, dispatch_uid="celery_redlock.failure", weak=False
     )
+    celery_signals.worker_process_init.connect(
+        _on_process_init, dispatch_uid="celery_redlock.process_init", weak=False
+    )
     celery_signals.worker_process_shutdown.connect(
         _on_process_shutdown, dispatch_uid="celery_redlock.process_shutdown", weak=False
     )
@@ -108,6 +111,13 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         redlock.unclaim(key, DEDUPE_SUFFIX, task_id)
     except Exception:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
+
+
+def _on_process_init(**_: Any) -> None:
+    """In a prefork pool process: Celery kills a run here at its hard time limit."""
+    from . import task
+
+    task._time_limits_enforced = True
 
 
 def _on_task_revoked(

@@ -16,6 +16,7 @@ from celery.result import AsyncResult
 from celery.signals import before_task_publish
 
 from celery_redlock import LockLost, LockLostInterrupt, Redlock, SingletonTask
+from celery_redlock.keys import redis_key
 from celery_redlock.testing import wait_for
 
 from .redlock_testkit import CeleryEnv, Recorder, SignalLog, opened_on_exit, run_worker
@@ -90,6 +91,61 @@ def test_retry_runs_again_unblocked_by_its_own_lock_or_marker(
     # Released before the retry message went out; an "active" job stays deduplicated while
     # it waits for its retry (its marker stays), a "queued" one lost its marker at start.
     assert at_retry_publish == [(False, dedupe == "active")] * 2
+
+
+def test_a_retry_past_max_retries_keeps_the_lock_and_clears_the_active_marker(
+    env: CeleryEnv, make_app: Any, recorder: Recorder
+) -> None:
+    """Celery publishes no retry past ``max_retries``: the run keeps its lock (a body
+    that catches MaxRetriesExceededError still holds it) and, when it ends, clears its
+    "active" marker, so an identical publish is a new job, not the failed one's id."""
+    app = make_app()
+    held_after_refusal: list[bool] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{n}", dedupe="active", max_retries=1)
+    def sync(self: Any, n: int) -> str:
+        with recorder.span(self.request.id):
+            try:
+                raise self.retry(countdown=0)
+            except self.MaxRetriesExceededError:
+                held_after_refusal.append(self.lease is not None and self.lease.held)
+                raise
+
+    lock, _ = env.lock_names("sync:1")
+    marker = redis_key("redlock", "sync:1", "dedupe")
+    with run_worker(app):
+        result = sync.delay(1)
+        wait_for(lambda: result.state == "FAILURE", timeout=20, message="retries used up")
+        wait_for(lambda: not env.on_quorum(lock), timeout=5, message="lock released")
+        wait_for(lambda: not env.on_quorum(marker), timeout=5, message="marker cleared")
+        again = sync.delay(1)
+        assert again.id != result.id
+        with pytest.raises(sync.MaxRetriesExceededError):
+            again.get(timeout=20)
+    assert held_after_refusal == [True, True]  # the first run's, the second job's
+    assert [s.task_id for s in recorder.spans] == [result.id] * 2 + [again.id] * 2
+
+
+def test_a_time_limit_the_pool_does_not_enforce_does_not_stop_renewal(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    """The threads pool enforces no time limit, so a run goes on past ``time_limit`` and
+    must keep renewing its lock (only a prefork pool process stops renewal at the limit,
+    where Celery kills the run)."""
+    app = make_app()
+    held: list[bool] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="long:{n}", lock_ttl=1.0, time_limit=1)
+    def long(self: Any, n: int) -> None:
+        deadline = time.monotonic() + 3.0  # three lock_ttl, past the unenforced limit
+        while time.monotonic() < deadline and self.lease.held:
+            time.sleep(0.05)
+        held.append(self.lease.held)
+
+    with run_worker(app):
+        long.delay(1).get(timeout=20)
+    assert held == [True]
+    assert signal_log.of("lock_lost") == []
 
 
 def test_contention_reschedules_do_not_use_up_max_retries(
