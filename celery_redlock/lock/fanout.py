@@ -88,23 +88,17 @@ def run_round(
     result = RoundResult(replies=[None] * n)
     errors = result.errors
     slots: dict[int, Slot] = {}
+    for link in links:
+        if link.sock is None:
+            _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)
+            break
     for i, payload in enumerate(payloads):
         if payload is None:
             continue
         link = links[i]
+        if link.sock is None:  # could not connect: _connect_all said why in errors
+            continue
         master = link.master
-        if not link.connected:
-            now = clock()
-            if now < master.connect_after:
-                errors[i] = master.last_error or "not connected"
-                continue
-            try:
-                link.connect(now, clock)
-            except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
-                master.connect_after = clock() + reconnect_backoff
-                master.mark_down(f"connect failed: {exc}")
-                errors[i] = master.last_error
-                continue
         try:
             slots[i] = link.send(payload[0], payload[1])
         except (OSError, ConnectionError) as exc:
@@ -177,3 +171,76 @@ def run_round(
             else:
                 result.not_waited.add(i)
     return result
+
+
+def _connect_all(
+    links: Sequence[Link],
+    payloads: Sequence[tuple[bytes, int] | None],
+    errors: dict[int, str],
+    clock: Callable[[], float],
+    node_timeout: float,
+    reconnect_backoff: float,
+) -> None:
+    """Connect every link that has a payload and no connection, all at once.
+
+    Each handshake is sent first, then all are waited for together within one
+    ``node_timeout``, so masters that accept a connection but do not answer (a
+    stopped process) cost one timeout in all, not one each. A master that cannot be
+    connected gets an entry in ``errors`` and is not tried again for
+    ``reconnect_backoff`` seconds.
+    """
+
+    def failed(i: int, why: object) -> None:
+        link = links[i]
+        link.close()
+        link.master.connect_after = clock() + reconnect_backoff
+        link.master.mark_down(f"connect failed: {why}")
+        errors[i] = link.master.last_error
+
+    handshakes: dict[int, Slot] = {}
+    try:
+        now = clock()
+        for i, payload in enumerate(payloads):
+            link = links[i]
+            if payload is None or link.sock is not None:
+                continue
+            if now < link.master.connect_after:
+                errors[i] = link.master.last_error or "not connected"
+                continue
+            try:
+                handshakes[i] = link.open()
+            except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+                failed(i, exc)
+        deadline = clock() + node_timeout
+        while handshakes:
+            by_sock = {}
+            ready: list[int] = []
+            for i in handshakes:
+                sock = links[i].sock
+                assert sock is not None
+                if getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
+                    ready.append(i)
+                by_sock[sock] = i
+            if not ready:
+                timeout = deadline - clock()
+                if timeout <= 0:
+                    break
+                readable, _, _ = select.select(list(by_sock), [], [], timeout)
+                ready = [by_sock[sock] for sock in readable]
+            for i in ready:
+                slot = handshakes[i]
+                try:
+                    links[i].read_available()
+                    if slot.done:
+                        del handshakes[i]
+                        links[i].finish_handshake(slot, clock())
+                except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+                    handshakes.pop(i, None)
+                    failed(i, exc)
+        for i in list(handshakes):
+            del handshakes[i]
+            failed(i, f"no handshake reply within {node_timeout}s")
+    except BaseException:
+        for i in handshakes:  # half-open links must not carry the next round's commands
+            links[i].close()
+        raise

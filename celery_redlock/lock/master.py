@@ -314,8 +314,28 @@ class Link:
 
         Raises ``OSError`` or a redis error on failure (the caller records it).
         """
-        master = self.master
-        conn = master.new_connection()
+        slot = self.open()
+        try:
+            deadline = clock() + self.master.node_timeout
+            while not slot.done:
+                remaining = deadline - clock()
+                if remaining <= 0 or not self.wait_readable(remaining):
+                    raise TimeoutError(f"no handshake reply within {self.master.node_timeout}s")
+                self.read_available()
+        except BaseException:
+            self.close()
+            raise
+        self.finish_handshake(slot, now)
+
+    def open(self) -> Slot:
+        """Open the connection and send the handshake without waiting for its replies.
+
+        The handshake reads the master's run_id (``INFO server``) and loads our scripts;
+        its slot fills as :meth:`read_available` reads, and :meth:`finish_handshake`
+        checks it. Several links can so wait on their handshakes together. Raises
+        ``OSError`` or a redis error when the connection cannot be opened.
+        """
+        conn = self.master.new_connection()
         try:
             conn.connect()
             sock = conn._sock
@@ -329,25 +349,29 @@ class Link:
             self.outstanding.clear()
             commands: list[Sequence[str]] = [("INFO", "server")]
             commands += [("SCRIPT", "LOAD", s.source) for s in ALL_SCRIPTS]
-            slot = self.send(pack(*commands), len(commands))
-            deadline = clock() + master.node_timeout
-            while not slot.done:
-                remaining = deadline - clock()
-                if remaining <= 0 or not self.wait_readable(remaining):
-                    raise TimeoutError(f"no handshake reply within {master.node_timeout}s")
-                self.read_available()
+            return self.send(pack(*commands), len(commands))
+        except BaseException:
+            self.close()
+            raise
+
+    def finish_handshake(self, slot: Slot, now: float) -> None:
+        """Check the handshake replies of :meth:`open` and note the master's run_id.
+
+        Closes the link and raises ``ConnectionError`` when a reply is an error.
+        """
+        try:
             info = slot.replies[0]
             if isinstance(info, ReplyError):
                 raise ConnectionError(f"INFO failed: {info}")
             for reply in slot.replies[1:]:
                 if isinstance(reply, ReplyError):
                     raise ConnectionError(f"SCRIPT LOAD failed: {reply}")
-            run_id = _parse_run_id(info)
-            if run_id:
-                master.note_run_id(run_id, now)
         except BaseException:
             self.close()
             raise
+        run_id = _parse_run_id(info)
+        if run_id:
+            self.master.note_run_id(run_id, now)
 
     def close(self) -> None:
         conn, self._conn, self.sock = self._conn, None, None

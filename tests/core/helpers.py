@@ -155,8 +155,16 @@ def start_holders(
     fence: bool = False,
     budget: float = 60.0,
     restart_quarantine: float | None = None,
+    counter: Path | None = None,
+    own_keys: bool = False,
 ) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    """Start ``count`` holder processes on ``key``; see :func:`wait_holders`."""
+    """Start ``count`` holder processes on ``key``; see :func:`wait_holders`.
+
+    ``counter``: a file holding an integer that every hold increments with a read, a
+    2 ms pause and a write, so holds overlapping in time lose increments. ``own_keys``:
+    each holder locks a key of its own (a broken lock: the control run that shows the
+    checks do catch overlapping holders).
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     started = []
@@ -183,6 +191,10 @@ def start_holders(
             args.append("--fence")
         if restart_quarantine is not None:
             args += ["--restart-quarantine", str(restart_quarantine)]
+        if counter is not None:
+            args += ["--counter", str(counter)]
+        if own_keys:
+            args[args.index("--key") + 1] = f"{key}:{i}"
         proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         started.append((proc, out))
     return started
@@ -239,6 +251,10 @@ def _holder(args: argparse.Namespace) -> int:
             if args.fence:
                 with contextlib.suppress(LockLost, QuorumUnavailable):
                     token = lease.fence
+            if args.counter:
+                value = int(Path(args.counter).read_text() or 0)
+                time.sleep(0.002)  # the critical section's work: a window for a lost update
+                Path(args.counter).write_text(str(value + 1))
             leave = time.monotonic_ns()
             valid = lease.held  # still valid after `leave`, so valid during [enter, leave]
             lease.release()
@@ -261,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     holder.add_argument("--out", required=True)
     holder.add_argument("--fence", action="store_true")
     holder.add_argument("--restart-quarantine", type=float, default=None)
+    holder.add_argument("--counter", default=None, help="file incremented in every hold")
     args = parser.parse_args(argv)
     return _holder(args)
 

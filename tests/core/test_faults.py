@@ -62,9 +62,8 @@ def test_minority_down_acquire_still_succeeds(masters: Masters, how: str) -> Non
             elapsed, lease = timed(lambda c=client, a=attempt: c.acquire(f"minority-{a}", 5))
             assert not isinstance(lease, Exception), lease
             assert lease.held  # type: ignore[attr-defined]
-            # A fresh client pays one handshake timeout per stopped master, once.
-            budget = NODE_TIMEOUT * (1 + len(minority)) + SLACK
-            assert elapsed < budget
+            # A fresh client waits for all handshakes together: one timeout, once.
+            assert elapsed < NODE_TIMEOUT + SLACK
             assert lease.release() is True  # type: ignore[attr-defined]
 
 
@@ -82,8 +81,10 @@ def test_majority_down_is_quorum_unavailable_fast(masters: Masters, how: str, wa
         elapsed, outcome = timed(lambda a=attempt: rl.acquire(f"majority-{a}", 5))
         assert isinstance(outcome, QuorumUnavailable), outcome
         assert set(outcome.errors) == {s.url for s in majority}
-        assert elapsed < 2.0
-        assert elapsed < NODE_TIMEOUT * len(majority) + SLACK
+        # One deadline for all masters, connected or not: a fresh client's handshakes
+        # are sent to every master and waited for together, so the stopped masters cost
+        # one node_timeout in all, not one each (0.6 s on 5 masters).
+        assert elapsed < NODE_TIMEOUT + SLACK
 
 
 @pytest.mark.parametrize("masters", [1, 3], indirect=True)

@@ -76,10 +76,30 @@ def test_threads_never_hold_at_once(masters: Masters, shared: bool) -> None:
 
 
 @pytest.mark.parametrize("masters", [1, 3, 5], indirect=True)
-def test_processes_never_hold_at_once(masters: Masters, tmp_path: Path) -> None:
-    holds = helpers.run_holders(3, masters.urls, tmp_path, key="procs", acquisitions=40)
+@pytest.mark.parametrize("lock", ["shared", "control: a key per holder"])
+def test_processes_never_hold_at_once(masters: Masters, tmp_path: Path, lock: str) -> None:
+    # Each hold increments a file-based counter (read, 2 ms, write): holders that overlap
+    # lose increments and leave overlapping timestamps. The control run locks a key per
+    # holder, so nothing excludes them, and shows that both checks catch it.
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    holds = helpers.run_holders(
+        3,
+        masters.urls,
+        tmp_path,
+        key="procs",
+        acquisitions=40,
+        counter=counter,
+        own_keys=lock != "shared",
+    )
     assert len(holds) == 3 * 40
     assert len({pid for *_, pid in holds}) == 3
+    if lock != "shared":
+        assert int(counter.read_text()) < 3 * 40
+        with pytest.raises(AssertionError, match="two holders at once"):
+            helpers.assert_no_overlap(holds)
+        return
+    assert int(counter.read_text()) == 3 * 40
     helpers.assert_no_overlap(holds)
 
 
