@@ -279,10 +279,12 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             )
         except RedlockError as exc:
             logger.warning("beat: not sending %s: %s", entry.name, exc)
+            _not_sent(entry.name, None, f"cannot claim it: {exc}")
             return None
         if not leader.is_leading():
             logger.warning("beat: lost the leader lease while claiming %s; not sent", occurrence)
             redlock.unclaim(f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity)
+            _not_sent(entry.name, occurrence, "lost the leader lease while claiming it")
             return None
         if holder != leader.identity or not fresh:
             logger.info("beat: occurrence %s already sent by %s", occurrence, holder)
@@ -333,7 +335,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             if aligned - back * interval < oldest or (last is not None and index - back <= last):
                 break
             earlier = f"{name}#{index - back}"
-            outcome = _claim_missed(earlier, claim_ttl)
+            outcome = _claim_missed(name, earlier, claim_ttl)
             if outcome is None:
                 break
             missed.append(outcome)
@@ -347,7 +349,12 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         interval = getattr(getattr(entry, "schedule", None), "run_every", None)
         return max(settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0))
 
-    def _claim_missed(occurrence: str, claim_ttl: float) -> tuple[str, str | None] | None:
+    def _not_sent(name: str, occurrence: str | None, reason: str) -> None:
+        signals.beat_not_sent.send(sender=leader, entry=name, occurrence=occurrence, reason=reason)
+
+    def _claim_missed(
+        name: str, occurrence: str, claim_ttl: float
+    ) -> tuple[str, str | None] | None:
         """Claim an occurrence nobody may have sent: what to send, or None for nothing.
 
         ``(occurrence, None)``: ours (fresh, or ours from a claim whose reply was lost),
@@ -361,11 +368,13 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             holder, _ = redlock.claim(
                 f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
             )
-        except RedlockError:
+        except RedlockError as exc:
+            logger.warning("beat: not sending missed %s: cannot claim it: %s", occurrence, exc)
+            _not_sent(name, occurrence, f"cannot claim it: {exc}")
             return None
         if holder == leader.identity:
             return occurrence, None
-        task_id = _claim_run(occurrence)
+        task_id = _claim_run(name, occurrence)
         return None if task_id is None else (occurrence, task_id)
 
     def _send_missed(entry: Any, occurrence: str, task_id: str | None, producer: Any) -> None:
@@ -390,17 +399,19 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             del passed[name]
             if due < oldest:
                 continue
-            outcome = _claim_missed(occurrence, _claim_ttl(entry))
+            outcome = _claim_missed(name, occurrence, _claim_ttl(entry))
             if outcome is not None:
                 _send_missed(entry, *outcome, None)
 
-    def _claim_run(occurrence: str) -> str | None:
+    def _claim_run(name: str, occurrence: str) -> str | None:
         task_id = uuid()
         try:
             holder, fresh = redlock.claim(
                 f"beat:{occurrence}", RUN_SUFFIX, task_id, settings.dedupe_ttl
             )
-        except RedlockError:
+        except RedlockError as exc:
+            logger.warning("beat: not sending %s again: cannot claim its run: %s", occurrence, exc)
+            _not_sent(name, occurrence, f"cannot claim its run: {exc}")
             return None
         return task_id if holder == task_id and fresh else None
 

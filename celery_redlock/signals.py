@@ -16,6 +16,7 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 __all__ = [
+    "beat_not_sent",
     "beat_status",
     "duplicate_dropped",
     "lock_acquired",
@@ -55,3 +56,9 @@ duplicate_dropped = Signal(name="redlock_duplicate_dropped")
 #: Beat leadership changed. Arguments: ``status`` (``"leader"`` or ``"standby"``),
 #: ``previous``.
 beat_status = Signal(name="redlock_beat_status")
+
+#: A leading beat did not send an occurrence that fell due (or that it was catching up
+#: on): it could not claim it on a quorum, or it lost the leader lease meanwhile. Sent
+#: with a warning. Arguments: ``entry`` (its name), ``occurrence`` (None when it could not
+#: even be named), ``reason``.
+beat_not_sent = Signal(name="redlock_beat_not_sent")

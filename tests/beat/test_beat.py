@@ -647,3 +647,57 @@ def test_beat_init_logs_mode_and_masters_and_sends_beat_status(
             if leader is not None:
                 leader.stop()
             service.scheduler.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_occurrence_the_leader_cannot_claim_is_logged_and_signalled(
+    masters: Masters, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing is dropped silently: a due occurrence a leading beat cannot claim (a
+    majority of masters stopped) is not sent, with a warning and ``beat_not_sent``."""
+    app = Celery("inproc-not-sent", broker="memory://", set_as_current=False)
+    # A long lease: the leader keeps leading (its renewal is 10 s away) while the
+    # masters are stopped, as in the moment before a leader notices an outage.
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=30,
+        beat_schedule={"e": {"task": "x.y", "schedule": 1.0}},
+    )
+    celery_redlock.install(app)
+    not_sent: list[dict[str, Any]] = []
+    published: list[str] = []
+
+    def on_not_sent(sender: Any = None, **kwargs: Any) -> None:
+        not_sent.append({"sender": sender, **kwargs})
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append(headers["redlock_occurrence"])
+
+    redlock_signals.beat_not_sent.connect(on_not_sent, weak=False)
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        leader = service._redlock_leader
+        assert leader.leading
+        for server in masters[:2]:
+            server.pause()
+        entry = service.scheduler.schedule["e"]
+        with caplog.at_level(logging.WARNING, logger="celery_redlock.beat"):
+            assert service.scheduler.apply_entry(entry) is None
+        assert published == []
+        assert [(n["sender"], n["entry"], n["occurrence"]) for n in not_sent] == [
+            (leader, "e", None)
+        ]
+        assert "cannot claim it" in not_sent[0]["reason"]
+        assert any("not sending e" in r.getMessage() for r in caplog.records)
+    finally:
+        for server in masters[:2]:
+            server.resume()
+        redlock_signals.beat_not_sent.disconnect(on_not_sent)
+        celery_signals.before_task_publish.disconnect(on_publish)
+        leader = getattr(service, "_redlock_leader", None)
+        if leader is not None:
+            leader.stop()
+        service.scheduler.close()
