@@ -125,8 +125,11 @@ class Master:
         connection_class: type[Any],
         connection_kwargs: Mapping[str, Any],
         node_timeout: float,
+        identity: tuple[object, ...] | None = None,
     ) -> None:
         self.name = name
+        #: which server this is, to refuse one listed twice (it would count twice)
+        self.identity = identity or _server_identity(connection_kwargs)
         self._connection_class = connection_class
         self._connection_kwargs = dict(connection_kwargs)
         self._connection_kwargs.update(
@@ -259,9 +262,29 @@ def _sentinel_master(spec: Mapping[str, Any], node_timeout: float) -> Master:
     client = sentinel.master_for(service, **kwargs)  # type: ignore[no-untyped-call]
     pool = client.connection_pool
     hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
-    return Master(
-        f"sentinel://{hosts}/{service}", pool.connection_class, pool.connection_kwargs, node_timeout
-    )
+    name = f"sentinel://{hosts}/{service}"
+    identity = ("sentinel", frozenset(sentinels), service)
+    return Master(name, pool.connection_class, pool.connection_kwargs, node_timeout, identity)
+
+
+def _server_identity(kwargs: Mapping[str, Any]) -> tuple[object, ...]:
+    db = kwargs.get("db", 0) or 0
+    if kwargs.get("path"):
+        return ("unix", kwargs["path"], db)
+    return ("tcp", str(kwargs.get("host") or "localhost").lower(), kwargs.get("port") or 6379, db)
+
+
+def refuse_duplicates(masters: Sequence[Master]) -> None:
+    """Raise ``ImproperlyConfigured`` when a server is listed twice: it would count twice
+    towards the quorum."""
+    seen: dict[tuple[object, ...], int] = {}
+    for number, master in enumerate(masters, start=1):
+        first = seen.setdefault(master.identity, number)
+        if first != number:
+            raise ImproperlyConfigured(
+                f"masters: #{first} and #{number} are the same master ({master.name}); "
+                "a master counted twice breaks the quorum"
+            )
 
 
 def describe_masters(masters: Sequence[Master]) -> list[str]:

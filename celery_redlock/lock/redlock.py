@@ -55,7 +55,8 @@ class Redlock:
 
     :param masters: URLs (``redis://``, ``rediss://``, ``unix://``, with ACL user and
         password), dicts of ``redis.Redis`` arguments, ``redis.Redis`` clients, or
-        Sentinel specs ``{"sentinels": [(host, port)], "service_name": ...}``.
+        Sentinel specs ``{"sentinels": [(host, port)], "service_name": ...}``. A server
+        listed twice is refused (it would count twice towards the quorum).
     :param key_prefix: first part of every Redis key (``<prefix>:{<key>}``).
     :param node_timeout: connect and read timeout per master call, in seconds; no
         client-side retries. Must be well below the TTLs you use.
@@ -122,6 +123,7 @@ class Redlock:
         self.restart_quarantine = restart_quarantine
         self._clock = clock
         self.masters: list[Master] = [make_master(m, self.node_timeout) for m in masters]
+        master_mod.refuse_duplicates(self.masters)
         self.quorum = len(self.masters) // 2 + 1
         self.reconnect_backoff = max(1.0, 4 * self.node_timeout)
         self._max_ttl = 0.0

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from celery_redlock.exceptions import (
     ImproperlyConfigured,
@@ -405,6 +406,21 @@ def test_bad_specs_are_improperly_configured() -> None:
     # A single URL (not a list) is one master.
     assert len(Redlock("redis://127.0.0.1:1/0").masters) == 1
     assert issubclass(ImproperlyConfigured, RedlockError)
+
+
+def test_a_master_listed_twice_is_refused() -> None:
+    """Listed twice, one server would count twice towards the quorum."""
+    client = redis.Redis(host="127.0.0.1", port=1)
+    for masters in (
+        ["redis://R1:6379/0", "redis://r2:6379/0", "redis://r1"],
+        ["redis://127.0.0.1:1/0", {"host": "127.0.0.1", "port": 1}],
+        [client, "redis://r2:6379/0", client],
+        ["unix:///run/r.sock", "unix:///run/r.sock?db=0"],
+    ):
+        with pytest.raises(ImproperlyConfigured, match=r"#\d and #\d are the same master"):
+            Redlock(masters)
+    # Another port of the same host is another server.
+    assert len(Redlock(["redis://r1:6379/0", "redis://r1:6380/0"]).masters) == 2
 
 
 def test_bad_arguments_raise_before_any_round() -> None:
