@@ -178,6 +178,13 @@ class Heartbeat:
                     else:
                         self._schedule(lease, lease.deadline)
                     continue
+                if now >= lease.deadline:
+                    # Its validity ended (renewals failed until now, or this thread ran
+                    # late): it already reads as not held, and stays so. A renewal now
+                    # could still find the key and bring it back, unannounced.
+                    self.remove(lease)
+                    lease._lose("could not renew before its validity ended: renewal came late")
+                    continue
                 ttl = lease.ttl
                 if lease.max_hold is not None:
                     left = lease.acquired_at + lease.max_hold - now
@@ -211,13 +218,13 @@ class Heartbeat:
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:
         remaining = lease.deadline - now
-        if remaining <= 0:
+        retry_in = max(0.01, min(lease.renew_every / 2, remaining / 3))
+        if retry_in >= remaining:  # no time for another try before the validity ends
             self.remove(lease)
             lease._lose(f"could not renew before its validity ended: {error}")
             return
         logger.info("renewal of %r failed (%s); retrying, %.3fs left", lease.key, error, remaining)
-        retry_in = max(0.01, min(lease.renew_every / 2, remaining / 3))
-        self._schedule(lease, min(now + retry_in, lease.deadline))
+        self._schedule(lease, now + retry_in)
 
     def _expire_at_deadline(self, lease: Lease, reason: str) -> None:
         # No more renewals: the lease is marked lost when its validity ends, from this

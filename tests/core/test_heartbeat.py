@@ -18,7 +18,8 @@ import pytest
 
 from celery_redlock.exceptions import LockContended, LockLost
 from celery_redlock.lock import Lease, engine
-from celery_redlock.lock.heartbeat import COMPACT_SLACK
+from celery_redlock.lock.heartbeat import COMPACT_SLACK, Heartbeat
+from celery_redlock.lock.lease import LOST
 from celery_redlock.testing import Masters, wait_for
 
 from . import helpers
@@ -352,3 +353,23 @@ def test_renewal_under_gevent(masters: Masters) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_lease_past_its_validity_is_lost_not_renewed(masters: Masters) -> None:
+    """The heartbeat's tick comes after the lease's validity ended (renewals failed until
+    then, or the thread ran late) while the keys still exist on the masters: the lease is
+    lost and reported, not extended back to held."""
+    now = [1000.0]
+    rl = make_redlock(masters, clock=lambda: now[0])
+    lease = rl.acquire("late-tick", 30)
+    lost: list[Lease] = []
+    lease.on_lost(lost.append)
+    beat = Heartbeat(clock=lambda: now[0])
+    now[0] = lease.deadline + 0.001  # our clock says over; Redis still has 30 s to go
+    assert not lease.held
+    assert all(value_on(s, lock_name("late-tick")) == lease.token for s in masters)
+    beat._tick([lease])
+    assert not lease.held
+    wait_for(lambda: lost == [lease], timeout=5, message="lock_lost callback")
+    assert lease.state == LOST
