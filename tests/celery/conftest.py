@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import kombu
 import pytest
 from celery import Celery
 
@@ -201,16 +202,32 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 @pytest.fixture
-def proj_env(masters: Masters, broker_server: RedisServer) -> Iterator[ProjEnv]:
+def proj_env(
+    request: pytest.FixtureRequest, masters: Masters, broker_server: RedisServer
+) -> Iterator[ProjEnv]:
+    """Where the subprocess project runs: the harness Redis broker by default;
+    ``@pytest.mark.parametrize("proj_env", BROKERS, indirect=True)`` runs the test on
+    RabbitMQ too (a Redis result backend and event list either way).
+
+    The task queue and the control exchange are named after the test alone, and deleted
+    on RabbitMQ afterwards (with whatever is left in them), so that messages of other tests,
+    or of other runs on the same RabbitMQ, never reach this test's workers.
+    """
+    kind = getattr(request, "param", "redis")
     base = f"redis://127.0.0.1:{broker_server.port}"
+    broker_url = request.getfixturevalue("rabbitmq_url") if kind == "rabbitmq" else f"{base}/0"
+    queue = f"redlock-test-{uuid.uuid4().hex[:12]}"
     env = ProjEnv(
+        kind=kind,
         masters=masters,
         server=broker_server,
+        queue=queue,
         vars={
-            "REDLOCK_TEST_BROKER": f"{base}/0",
+            "REDLOCK_TEST_BROKER": broker_url,
             "REDLOCK_TEST_BACKEND": f"{base}/1",
             "REDLOCK_TEST_EVENTS": f"{base}/2",
             "REDLOCK_TEST_MASTERS": ",".join(masters.urls),
+            "REDLOCK_TEST_QUEUE": queue,
         },
     )
     yield env
@@ -218,6 +235,27 @@ def proj_env(masters: Masters, broker_server: RedisServer) -> Iterator[ProjEnv]:
     reset_clients()
     for app in env.apps:
         app.close()
+    if kind == "rabbitmq":
+        _delete_on_rabbitmq(broker_url, queue)
+
+
+def _delete_on_rabbitmq(url: str, queue: str) -> None:
+    """Purge and delete a test's queue, and the exchanges named after it (the task
+    exchange, the control exchange and its reply exchange), each if it exists. Node
+    control queues expire by themselves (``control_queue_expires``)."""
+    with kombu.Connection(url, connect_timeout=5) as conn:
+        conn.ensure_connection(max_retries=1)
+        with conn.channel() as channel, contextlib.suppress(*conn.channel_errors):
+            channel.queue_purge(queue)
+        for delete, name in (
+            ("queue_delete", queue),
+            ("exchange_delete", queue),
+            ("exchange_delete", f"{queue}.pidbox"),
+            ("exchange_delete", f"reply.{queue}.pidbox"),
+        ):
+            # A missing queue or exchange (404) closes the channel: one channel each.
+            with conn.channel() as channel, contextlib.suppress(*conn.channel_errors):
+                getattr(channel, delete)(name)
 
 
 @pytest.fixture
@@ -265,9 +303,11 @@ def celery_cmd(tmp_path: Path) -> Iterator[Callable[..., CeleryProcess]]:
 
 @pytest.fixture
 def spawn_worker(
-    celery_cmd: Callable[..., CeleryProcess], proj_env: ProjEnv
+    proj_env: ProjEnv, celery_cmd: Callable[..., CeleryProcess]
 ) -> Callable[..., CeleryProcess]:
     """``spawn_worker("a")``: a ready `celery worker` (prefork, 2 children) named a@<host>."""
+    # proj_env comes first so that it is torn down last: after every worker has stopped
+    # consuming from its queue.
 
     def spawn(
         name: str,

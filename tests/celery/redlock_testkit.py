@@ -177,16 +177,30 @@ class CeleryProcess:
 
 @dataclass
 class ProjEnv:
-    """The environment of the subprocess project (``redlock_proj``) for one test."""
+    """The environment of the subprocess project (``redlock_proj``) for one test.
 
+    ``kind`` is the broker (``"redis"`` or ``"rabbitmq"``); ``queue`` the test's own task
+    queue (and control exchange), so that nothing another test or run left on a shared
+    RabbitMQ reaches this test's workers.
+    """
+
+    kind: str
     masters: Masters
     server: RedisServer
+    queue: str
     vars: dict[str, str]
     apps: list[Celery] = field(default_factory=list)
 
     def events(self) -> list[dict[str, Any]]:
         with self.server.client(db=2) as conn:
             return [json.loads(raw) for raw in conn.lrange("events", 0, -1)]
+
+    def signals(self, name: str | None = None) -> list[dict[str, Any]]:
+        """celery-redlock signals the workers sent (``redlock_proj.project.record_signals``),
+        in order; only those called ``name`` when given."""
+        with self.server.client(db=2) as conn:
+            sent = [json.loads(raw) for raw in conn.lrange("signals", 0, -1)]
+        return [s for s in sent if name is None or s["signal"] == name]
 
     def stop_loop(self, name: str) -> None:
         """Ask ``loop``/``crashy`` bodies running with ``name`` to return."""

@@ -2,9 +2,11 @@
 matter: time limits, revoke with terminate, a worker killed mid-task, masters going away.
 
 Each worker is ``python -m celery -A redlock_proj.celery_app worker -P prefork -c 2`` in its
-own process group, on a harness Redis broker; the tasks live in ``redlock_proj/project.py``
-and record ``enter``/``exit`` events (with ``time.monotonic_ns()``, the node name and pid)
-in a Redis list. Every process group is SIGTERMed, then SIGKILLed, after the test.
+own process group, on a harness Redis broker and on RabbitMQ (every test runs on both, with
+a task queue of its own); the tasks live in ``redlock_proj/project.py`` and record
+``enter``/``exit`` events (with ``time.monotonic_ns()``, the node name and pid) in a Redis
+list, and the workers record celery-redlock's signals in another. Every process group is
+SIGTERMed, then SIGKILLed, after the test.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_redlock.testing import process_running, wait_for
 
-from .redlock_proj.project import CRASHY, LOOP, QUICK
-from .redlock_testkit import ProjEnv
+from .redlock_proj.project import CRASHY, LOOP, QUICK, QUICK_CAPPED, QUICK_RAISE, QUICK_SKIP
+from .redlock_testkit import BROKERS, ProjEnv
 
-pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.timeout(90),
+    pytest.mark.slow,
+    pytest.mark.parametrize("proj_env", BROKERS, indirect=True),
+]
 
 
 def _lock_names(key: str) -> tuple[str, str]:
@@ -134,17 +140,24 @@ def test_revoke_and_a_killed_pool_child_release_at_once(
 def test_a_killed_worker_lock_frees_within_lock_ttl_and_another_worker_runs_the_job(
     proj_env: ProjEnv, spawn_worker: Any
 ) -> None:
-    # With the Redis broker an unacknowledged (acks_late) message comes back only after the
-    # transport's visibility timeout, swept by a live worker: both made short here, so the
-    # surviving worker gets the very message the killed one was running (not a new publish).
-    conf = {
-        "broker_transport_options": {
-            "visibility_timeout": 2,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-            "unacked_mutex_expire": 2,
+    if proj_env.kind == "redis":
+        # With the Redis broker an unacknowledged (acks_late) message comes back only after
+        # the transport's visibility timeout, swept by a live worker: both made short here,
+        # so the surviving worker gets the very message the killed one was running (not a
+        # new publish).
+        conf: dict[str, Any] | None = {
+            "broker_transport_options": {
+                "visibility_timeout": 2,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+                "unacked_mutex_expire": 2,
+            }
         }
-    }
+        redelivery = 2 + 1  # visibility timeout, then the sweep
+    else:
+        # RabbitMQ requeues a dead consumer's unacknowledged message the moment its
+        # connection drops: the survivor gets it while the dead worker's lock still holds.
+        conf, redelivery = None, 0
     workers = {w.nodename: w for w in (spawn_worker("a", conf=conf), spawn_worker("b", conf=conf))}
     crashy = proj_env.client_app().tasks[CRASHY]  # lock_ttl=3, acks_late
     lock = _lock_names("crash:k")[0]
@@ -173,30 +186,74 @@ def test_a_killed_worker_lock_frees_within_lock_ttl_and_another_worker_runs_the_
     [rerun] = reruns
     assert rerun["host"] == survivor.nodename
     assert rerun["t"] >= expired_at - 50_000_000  # 50 ms for reading the TTLs one by one
-    # Within lock_ttl (3 s), plus the broker's redelivery (visibility 2 s, sweep 1 s), plus
-    # slack for a loaded machine; the default lock_ttl would be 30 s.
-    assert (rerun["t"] - killed_at) / 1e9 < 3 + 2 + 1 + 3
+    # Within lock_ttl (3 s), plus the broker's redelivery, plus slack for a loaded machine;
+    # the default lock_ttl would be 30 s.
+    assert (rerun["t"] - killed_at) / 1e9 < 3 + redelivery + 3
+    contended = [s for s in proj_env.signals("lock_contended") if s["task_id"] == job.id]
+    assert all(s["action"] == "retry" and s["host"] == survivor.nodename for s in contended)
+    if proj_env.kind == "rabbitmq":
+        # Redelivered at once, the job met the dead worker's lock and was rescheduled on
+        # contention (not run, not dropped) until the lock expired.
+        assert contended, "the redelivered job never met the dead worker's lock"
+        assert contended[0]["t"] < expired_at
 
 
 @pytest.mark.chaos
 def test_with_two_of_three_masters_down_nothing_runs_until_they_return(
     proj_env: ProjEnv, spawn_worker: Any
 ) -> None:
+    # Whatever a task does on contention (retry, skip, raise, retry at most once), an outage
+    # of the lock service reschedules it with the outage backoff and does not count it as
+    # contention: it is neither skipped (IGNORED), nor failed, nor given up.
     worker = spawn_worker("a")
-    quick = proj_env.client_app().tasks[QUICK]
-    proj_env.masters[1].kill()
-    proj_env.masters[2].kill()
+    app = proj_env.client_app()
+    down = [proj_env.masters[1], proj_env.masters[2]]
+    for server in down:
+        server.kill()
 
-    job = quick.delay("o")  # published without dedupe (warned), see test_dedupe
+    keys = {QUICK: "quick", QUICK_SKIP: "skip", QUICK_RAISE: "raise", QUICK_CAPPED: "capped"}
+    jobs = {}  # published without dedupe (warned), see test_dedupe
+    for task_name, prefix in keys.items():
+        for name in ("o1", "o2"):
+            jobs[f"{prefix}:{name}"] = (app.tasks[task_name].delay(name), name)
+    ids = {job.id: key for key, (job, _) in jobs.items()}
+
+    def outages() -> dict[str, list[dict[str, Any]]]:
+        sent: dict[str, list[dict[str, Any]]] = {task_id: [] for task_id in ids}
+        for signal_sent in proj_env.signals("lock_unavailable"):
+            sent.setdefault(signal_sent["task_id"], []).append(signal_sent)
+        return sent
+
+    # Three outage reschedules each: more than quick_capped's max_contention_retries=1.
     wait_for(
-        lambda: worker.log.count("lock service unavailable for quick:o") >= 3,
-        timeout=15,
-        message="three outage reschedules",
+        lambda: all(len(sent) >= 3 for sent in outages().values()),
+        timeout=30,
+        message="three outage reschedules of every job",
     )
-    wait_for(lambda: job.state == "RETRY", timeout=5, message="RETRY stored")
-    assert _entered(proj_env, job.id) == []  # never run unguarded
+    wait_for(
+        lambda: all(job.state == "RETRY" for job, _ in jobs.values()),
+        timeout=5,
+        message="RETRY stored for every job",
+    )
+    assert not any(e["event"] == "enter" for e in proj_env.events())  # never run unguarded
+    assert proj_env.signals("lock_contended") == []
+    dead_ports = {str(server.port) for server in down}
+    for task_id, sent in outages().items():
+        assert {s["key"] for s in sent} == {ids[task_id]}
+        for signal_sent in sent:
+            assert 0 <= signal_sent["countdown"] <= 0.6  # redlock_outage_backoff=(0.3, 0.6)
+            named = {port for port in dead_ports for m in signal_sent["errors"] if port in m}
+            assert named == dead_ports, signal_sent["errors"]
+    log = worker.log
+    for key in jobs:
+        assert f"lock service unavailable for {key}" in log
+    assert "is held elsewhere" not in log
 
-    proj_env.masters[1].start()
-    proj_env.masters[2].start()
-    assert job.get(timeout=20) == "o"
-    assert len(_entered(proj_env, job.id)) == 1
+    for server in down:
+        server.start()
+    for key, (job, name) in jobs.items():
+        assert job.get(timeout=30) == name, key
+    entered = [e["task_id"] for e in proj_env.events() if e["event"] == "enter"]
+    assert sorted(entered) == sorted(ids)  # each body ran, and once
+    assert {job.state for job, _ in jobs.values()} == {"SUCCESS"}
+    assert proj_env.signals("lock_contended") == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .project import make_app
+from .project import make_app, record_signals
 
 app = make_app(os.environ)
+record_signals(os.environ)

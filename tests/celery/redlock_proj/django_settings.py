@@ -21,6 +21,8 @@ _UNUSED = "redis://127.0.0.1:1/0"  # `manage.py check` reads settings, it connec
 CELERY_BROKER_URL = os.environ.get("REDLOCK_TEST_BROKER", _UNUSED)
 CELERY_RESULT_BACKEND = os.environ.get("REDLOCK_TEST_BACKEND", _UNUSED)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+if os.environ.get("REDLOCK_TEST_QUEUE"):  # the plain project's client publishes there
+    CELERY_TASK_DEFAULT_QUEUE = CELERY_CONTROL_EXCHANGE = os.environ["REDLOCK_TEST_QUEUE"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
 CELERY_REDLOCK_REDIS_URLS = os.environ.get("REDLOCK_TEST_MASTERS", _UNUSED).split(",")

@@ -10,11 +10,17 @@ Environment keys:
 ``REDLOCK_TEST_BACKEND``   result backend URL (a harness redis-server)
 ``REDLOCK_TEST_MASTERS``   comma-separated Redlock master URLs
 ``REDLOCK_TEST_EVENTS``    Redis URL where task bodies record what they do (list ``events``)
+``REDLOCK_TEST_QUEUE``     optional name of the task queue, also the control exchange's, so
+                          tests sharing one RabbitMQ never see each other's messages
 ``REDLOCK_TEST_CONF``      optional JSON object merged into ``app.conf`` last (bad settings)
 
 Task bodies append JSON events ``{"event": "enter"|"exit", "task_id", "name", "host",
 "pid", "t": time.monotonic_ns()}`` to the ``events`` list. CLOCK_MONOTONIC is system-wide
 on Linux, so the test process can compare those times with its own.
+
+In a worker (``celery_app.py`` calls :func:`record_signals`), celery-redlock's signals are
+appended to the ``signals`` list of the same database: ``{"signal", "task_id", "key",
+"action", "countdown", "errors", "host", "pid", "t"}``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,18 @@ from celery import Celery
 
 import celery_redlock
 from celery_redlock import SingletonTask
+from celery_redlock import signals as redlock_signals
 
 LOOP = "redlock_proj.loop"
 CRASHY = "redlock_proj.crashy"
 QUICK = "redlock_proj.quick"
+#: Like ``quick``, each with one contention policy: a lock outage must reschedule them all.
+QUICK_SKIP = "redlock_proj.quick_skip"
+QUICK_RAISE = "redlock_proj.quick_raise"
+QUICK_CAPPED = "redlock_proj.quick_capped"  # on_contention="retry", max_contention_retries=1
+
+#: The signals :func:`record_signals` records.
+RECORDED_SIGNALS = ("lock_contended", "lock_unavailable", "lock_lost", "duplicate_dropped")
 
 
 class EventLog:
@@ -81,6 +95,9 @@ def make_app(env: Mapping[str, str]) -> Celery:
         redlock_contention_backoff=(0.2, 0.5),
         redlock_outage_backoff=(0.3, 0.6),
     )
+    queue = env.get("REDLOCK_TEST_QUEUE")
+    if queue:
+        app.conf.update(task_default_queue=queue, control_exchange=queue)
     app.conf.update(json.loads(env.get("REDLOCK_TEST_CONF") or "{}"))
     celery_redlock.install(app)
     events = EventLog(env["REDLOCK_TEST_EVENTS"])
@@ -115,4 +132,57 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return name
 
+    for task_name, prefix, options in (
+        (QUICK_SKIP, "skip", {"on_contention": "skip"}),
+        (QUICK_RAISE, "raise", {"on_contention": "raise"}),
+        (QUICK_CAPPED, "capped", {"on_contention": "retry", "max_contention_retries": 1}),
+    ):
+
+        @app.task(
+            shared=False,
+            bind=True,
+            base=SingletonTask,
+            name=task_name,
+            lock_key=prefix + ":{name}",
+            lock_ttl=3,
+            **options,
+        )
+        def quick_variant(self: Any, name: str) -> str:
+            record("enter", self)
+            record("exit", self)
+            return name
+
     return app
+
+
+def record_signals(env: Mapping[str, str]) -> None:
+    """Append celery-redlock's signals sent in this process (and in the pool children it
+    forks) to the ``signals`` list; for worker processes only, never the test process."""
+    redis_client = redis.Redis.from_url(env["REDLOCK_TEST_EVENTS"], socket_timeout=5)
+
+    def receiver(name: str) -> Any:
+        def receive(sender: Any = None, **kwargs: Any) -> None:
+            request = getattr(sender, "request", None)
+            redis_client.rpush(
+                "signals",
+                json.dumps(
+                    {
+                        "signal": name,
+                        "task_id": kwargs.get("task_id"),
+                        "key": kwargs.get("key"),
+                        "action": kwargs.get("action"),
+                        "countdown": kwargs.get("countdown"),
+                        "errors": sorted(kwargs.get("errors") or ()),
+                        "host": getattr(request, "hostname", None) or socket.gethostname(),
+                        "pid": os.getpid(),
+                        "t": time.monotonic_ns(),
+                    }
+                ),
+            )
+
+        return receive
+
+    for name in RECORDED_SIGNALS:
+        getattr(redlock_signals, name).connect(
+            receiver(name), weak=False, dispatch_uid=f"redlock_proj.record.{name}"
+        )
