@@ -166,8 +166,10 @@ class Redlock:
         long with full-jitter pauses of 10 to 200 ms; ``None`` waits forever.
         Raises :class:`LockContended` when somebody else holds the key (also
         this client: locks are not re-entrant) and :class:`QuorumUnavailable`
-        when too few masters answer. With ``auto_renew`` the process's renewal
-        engine extends the lease every ``renew_every`` seconds (default ttl/3),
+        when too few masters answer (a blocking acquire keeps trying through both,
+        and at its timeout raises what the last try raised). With ``auto_renew``
+        the process's renewal engine extends the lease every ``renew_every``
+        seconds (default ttl/3),
         for at most ``max_hold`` seconds in all when given. ``meta`` is stored in a
         hash beside the lock (same TTL, deleted with it) for operators.
         ``clear_companion=(suffix, value)`` deletes ``<prefix>:{key}:<suffix>`` if it
