@@ -63,9 +63,12 @@ _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
 #: keep its lock.
 _time_limits_enforced = False
 
+_RetryHook = Callable[[Sequence[Any], Mapping[str, Any], Mapping[str, Any]], None]
+
 #: Set by ``retry()``: frees the running job's lock right before its retry is published,
 #: and only then (Celery may instead raise MaxRetriesExceededError, the body going on).
-_before_republish: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+#: Called with the retry's arguments and publish options.
+_before_republish: contextvars.ContextVar[_RetryHook | None] = contextvars.ContextVar(
     "redlock_before_republish", default=None
 )
 
@@ -263,7 +266,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if _republishing.get():
             release = _before_republish.get()
             if release is not None:
-                release()
+                release(args or (), kwargs or {}, options)
             return publish(task_id)
         if (
             link
@@ -373,14 +376,22 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """
         request = self.request
 
-        def release_for_retry() -> None:
+        def release_for_retry(
+            args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any]
+        ) -> None:
             lease = getattr(request, "redlock_lease", None)
-            if lease is not None:
-                lease.clear_on_release = None  # the job stays queued: its marker too
-                self._release(request)
+            if lease is None:
+                return
+            lease.clear_on_release = None  # the job stays queued: an "active" marker too
+            self._release(request)
+            opts = self.redlock_options()
+            if opts.dedupe == "queued" and not request.is_eager:
+                # Its "queued" marker went when the run started; the job waits in the
+                # queue again, so identical publishes coalesce into it again.
+                self._claim_marker(opts, args, kwargs, request.id, options)
 
         if request.is_eager:
-            release_for_retry()
+            release_for_retry((), {}, {})
         token = _republishing.set(True)
         hook = _before_republish.set(release_for_retry)
         try:
@@ -568,6 +579,27 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             f" {when}" if when else "",
         )
         self._store_ignored(request, key)
+
+    def _claim_marker(
+        self,
+        opts: TaskOptions,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        task_id: str | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        """Best effort: make ``task_id`` the queued job of its key again (a retry waits)."""
+        if not task_id:
+            return
+        try:
+            key = opts.lock_key(args, kwargs)
+            ttl = get_settings(self.app).dedupe_ttl + _delay_of(options)
+            holder, _ = redlock_for(self.app).claim(key, DEDUPE_SUFFIX, task_id, ttl)
+        except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
+            logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
+            return
+        if holder != task_id:
+            logger.info("%s[%s]: retry queued beside job %s (%s)", self.name, task_id, holder, key)
 
     def _drop_dedupe_marker(self, key: str, opts: TaskOptions, task_id: str | None) -> None:
         if opts.dedupe is None or not task_id:

@@ -266,3 +266,34 @@ def test_a_job_that_met_the_lock_leaves_no_marker_behind(
         later = sync.delay(1)
         assert later.id != turned_away.id
         assert later.get(timeout=10) == 1
+
+
+def test_queued_job_waiting_for_its_retry_takes_identical_publishes(
+    env: CeleryEnv, make_app: Any, recorder: Recorder
+) -> None:
+    """A "queued" job's marker goes when it starts; when it retries with a countdown it
+    waits in the queue again, so identical publishes return it again (and it is not
+    blocked by the marker it claims for itself)."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="poll:{n}", dedupe="queued", max_retries=1)
+    def poll(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            retries = self.request.retries
+        if retries == 0:
+            raise self.retry(countdown=2)
+        return retries
+
+    marker = "redlock:{poll:1}:dedupe"
+    with run_worker(app):
+        first = poll.delay(1)
+        wait_for(lambda: first.state == "RETRY", timeout=10, message="first run retried")
+        assert env.on_quorum(marker)
+        assert poll.delay(1).id == first.id  # the job waiting for its retry
+        assert first.get(timeout=20) == 1
+        wait_for(lambda: not env.on_quorum(marker), timeout=5, message="marker cleared")
+        later = poll.delay(1)
+        assert later.id != first.id
+        assert later.get(timeout=20) == 1  # its own retry is not deduplicated away
+    spans = [s.task_id for s in recorder.spans]
+    assert spans == [first.id, first.id, later.id, later.id]

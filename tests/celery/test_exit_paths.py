@@ -88,9 +88,10 @@ def test_retry_runs_again_unblocked_by_its_own_lock_or_marker(
     assert starts == sorted(starts)
     assert signal_log.of("lock_contended", task_id=result.id) == []
     assert signal_log.of("duplicate_dropped") == []
-    # Released before the retry message went out; an "active" job stays deduplicated while
-    # it waits for its retry (its marker stays), a "queued" one lost its marker at start.
-    assert at_retry_publish == [(False, dedupe == "active")] * 2
+    # Released before the retry message went out; the job stays deduplicated while it
+    # waits for its retry: an "active" marker stays, a "queued" one (gone when the run
+    # started) is claimed again for it.
+    assert at_retry_publish == [(False, True)] * 2
 
 
 def test_a_retry_past_max_retries_keeps_the_lock_and_clears_the_active_marker(
