@@ -13,6 +13,7 @@ against deadlines.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import math
@@ -537,11 +538,42 @@ def test_django_database_scheduler_two_beats(
 # --------------------------------------------------------------------------------------------
 
 
-def _beat_app(masters: Masters) -> Celery:
+def _beat_app(masters: Masters, lease_ttl: float = 2, **schedule: float) -> Celery:
+    """An in-memory-broker app for a beat in this process; ``schedule``: entry -> seconds."""
     app = Celery("inproc-beat", broker="memory://", set_as_current=False)
-    app.conf.update(redlock_redis_urls=masters.urls, redlock_beat_lease_ttl=2)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=lease_ttl,
+        beat_schedule={
+            name: {"task": "x.y", "schedule": every} for name, every in schedule.items()
+        },
+    )
     celery_redlock.install(app)
     return app
+
+
+@contextlib.contextmanager
+def _leading_beat(app: Celery, tmp_path: Path) -> Iterator[tuple[Service, list[tuple[str, str]]]]:
+    """A beat service of ``app`` in this process, leading, and the (occurrence, task id)
+    of every message it publishes; stopped and closed on exit."""
+    published: list[tuple[str, str]] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append((headers["redlock_occurrence"], headers["id"]))
+
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        yield service, published
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        leader = getattr(service, "_redlock_leader", None)
+        if leader is not None:
+            leader.stop()
+        service.scheduler.close()
 
 
 @pytest.mark.timeout(60)
@@ -553,19 +585,7 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
     and no message. The new leader's catch-up sends that occurrence again, under a run
     claim of its own (a worker then drops whichever copy comes second), unless a worker
     already took it (its run claim exists)."""
-    app = Celery("inproc-crash", broker="memory://", set_as_current=False)
-    app.conf.update(
-        redlock_redis_urls=masters.urls,
-        redlock_beat_lease_ttl=3,
-        beat_schedule={"e": {"task": "x.y", "schedule": 1.0}},
-    )
-    celery_redlock.install(app)
-    published: list[tuple[str, str]] = []
-
-    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if headers and headers.get("redlock_occurrence"):
-            published.append((headers["redlock_occurrence"], headers["id"]))
-
+    app = _beat_app(masters, lease_ttl=3, e=1.0)
     # What the dead leader left: an anchor 10.5 s ago, "sent" claims up to #last (the
     # last one never published), run claims by workers for all but #last.
     rl = Redlock(masters.urls)
@@ -577,35 +597,27 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
         if index < last or worker_took_it:
             rl.claim(f"beat:e#{index}", "run", f"task-{index}", 3600)
 
-    celery_signals.before_task_publish.connect(on_publish, weak=False)
-    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
     try:
-        celery_signals.beat_init.send(sender=service)
-        leader = service._redlock_leader
-        assert leader.leading
-        leader.other_leader_seen = now()  # as if it had just taken over from dead-leader
-        deadline = time.monotonic() + 20
-        while not published and time.monotonic() < deadline:
-            interval = service.scheduler.tick()
-            time.sleep(min(max(interval, 0.01), 0.2))
-        assert published, "nothing was sent"
-        sent = [occurrence for occurrence, _ in published]
-        current = sent[-1]
-        assert current.startswith("e#")
-        first = last + 1 if worker_took_it else last
-        assert sent == [f"e#{i}" for i in range(first, int(current[2:]) + 1)]
-        if not worker_took_it:
-            (task_id,) = [t for o, t in published if o == f"e#{last}"]
-            key = redis_key("redlock", f"beat:e#{last}", "run")
-            with masters[0].client() as conn:
-                assert conn.get(key) == task_id.encode(), "resent without its run claim"
+        with _leading_beat(app, tmp_path) as (service, published):
+            # As if it had just taken over from dead-leader.
+            service._redlock_leader.other_leader_seen = now()
+            deadline = time.monotonic() + 20
+            while not published and time.monotonic() < deadline:
+                interval = service.scheduler.tick()
+                time.sleep(min(max(interval, 0.01), 0.2))
     finally:
-        celery_signals.before_task_publish.disconnect(on_publish)
-        leader = getattr(service, "_redlock_leader", None)
-        if leader is not None:
-            leader.stop()
-        service.scheduler.close()
         rl.close()
+    assert published, "nothing was sent"
+    sent = [occurrence for occurrence, _ in published]
+    current = sent[-1]
+    assert current.startswith("e#")
+    first = last + 1 if worker_took_it else last
+    assert sent == [f"e#{i}" for i in range(first, int(current[2:]) + 1)]
+    if not worker_took_it:
+        (task_id,) = [t for o, t in published if o == f"e#{last}"]
+        key = redis_key("redlock", f"beat:e#{last}", "run")
+        with masters[0].client() as conn:
+            assert conn.get(key) == task_id.encode(), "resent without its run claim"
 
 
 @pytest.mark.timeout(60)
@@ -655,49 +667,28 @@ def test_an_occurrence_the_leader_cannot_claim_is_logged_and_signalled(
 ) -> None:
     """Nothing is dropped silently: a due occurrence a leading beat cannot claim (a
     majority of masters stopped) is not sent, with a warning and ``beat_not_sent``."""
-    app = Celery("inproc-not-sent", broker="memory://", set_as_current=False)
     # A long lease: the leader keeps leading (its renewal is 10 s away) while the
     # masters are stopped, as in the moment before a leader notices an outage.
-    app.conf.update(
-        redlock_redis_urls=masters.urls,
-        redlock_beat_lease_ttl=30,
-        beat_schedule={"e": {"task": "x.y", "schedule": 1.0}},
-    )
-    celery_redlock.install(app)
+    app = _beat_app(masters, lease_ttl=30, e=1.0)
     not_sent: list[dict[str, Any]] = []
-    published: list[str] = []
 
     def on_not_sent(sender: Any = None, **kwargs: Any) -> None:
         not_sent.append({"sender": sender, **kwargs})
 
-    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if headers and headers.get("redlock_occurrence"):
-            published.append(headers["redlock_occurrence"])
-
     redlock_signals.beat_not_sent.connect(on_not_sent, weak=False)
-    celery_signals.before_task_publish.connect(on_publish, weak=False)
-    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
     try:
-        celery_signals.beat_init.send(sender=service)
-        leader = service._redlock_leader
-        assert leader.leading
-        for server in masters[:2]:
-            server.pause()
-        entry = service.scheduler.schedule["e"]
-        with caplog.at_level(logging.WARNING, logger="celery_redlock.beat"):
-            assert service.scheduler.apply_entry(entry) is None
-        assert published == []
-        assert [(n["sender"], n["entry"], n["occurrence"]) for n in not_sent] == [
-            (leader, "e", None)
-        ]
-        assert "cannot claim it" in not_sent[0]["reason"]
-        assert any("not sending e" in r.getMessage() for r in caplog.records)
+        with _leading_beat(app, tmp_path) as (service, published):
+            for server in masters[:2]:
+                server.pause()
+            entry = service.scheduler.schedule["e"]
+            with caplog.at_level(logging.WARNING, logger="celery_redlock.beat"):
+                assert service.scheduler.apply_entry(entry) is None
+            leader = service._redlock_leader
     finally:
         for server in masters[:2]:
             server.resume()
         redlock_signals.beat_not_sent.disconnect(on_not_sent)
-        celery_signals.before_task_publish.disconnect(on_publish)
-        leader = getattr(service, "_redlock_leader", None)
-        if leader is not None:
-            leader.stop()
-        service.scheduler.close()
+    assert published == []
+    assert [(n["sender"], n["entry"], n["occurrence"]) for n in not_sent] == [(leader, "e", None)]
+    assert "cannot claim it" in not_sent[0]["reason"]
+    assert any("not sending e" in r.getMessage() for r in caplog.records)
