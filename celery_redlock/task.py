@@ -360,6 +360,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         )
         try:
             return self.run(*args, **kwargs)
+        except LockLostInterrupt as exc:
+            if exc.key is not None:
+                raise
+            # The one _Interrupter raised asynchronously carries no context: say which
+            # lock was lost and why, as every other RedlockError does.
+            raise LockLostInterrupt(
+                f"the lock on {key!r} was lost while the task ran "
+                f"({lease.lost_reason or 'lost'}); interrupted",
+                key,
+                redlock.master_names,
+            ) from None
         finally:
             # The body is done: nothing needs ordering after the release, so it is
             # sent without waiting (the next round on these connections reads the

@@ -216,7 +216,11 @@ def test_interrupt_stops_a_body_whose_lock_was_lost(
     assert stopped_after < 5
     fresh = AsyncResult(result.id, app=app)
     assert fresh.state == "FAILURE"
-    assert isinstance(fresh.result, LockLost)
+    # Stored with its context, as the backend rebuilt it from its args.
+    assert isinstance(fresh.result, LockLostInterrupt)
+    assert fresh.result.key == "sweep:1"
+    assert len(fresh.result.masters) == 3
+    assert "'sweep:1' was lost" in str(fresh.result)
     [lost] = signal_log.of("lock_lost", task_id=result.id)
     assert lost["key"] == "sweep:1"
     assert lost["policy"] == "interrupt"
