@@ -175,6 +175,21 @@ class CeleryProcess:
             self.proc.wait(timeout=10)
 
 
+#: ``celery worker`` arguments of a worker that is expected to stop at start
+FAILING_WORKER_ARGS = (
+    "worker", "-P", "prefork", "-c", "1", "--without-heartbeat", "--without-gossip",
+    "--without-mingle", "-l", "info",
+)  # fmt: skip
+
+
+def exit_code(process: CeleryProcess, timeout: float = 60) -> int:
+    """The exit status of a ``celery`` process that must stop by itself (bad settings)."""
+    try:
+        return int(process.proc.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running with bad settings:\n{process.log[-3000:]}") from None
+
+
 @dataclass
 class ProjEnv:
     """The environment of the subprocess project (``redlock_proj``) for one test.

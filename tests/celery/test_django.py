@@ -1,6 +1,6 @@
 """Django: ``CELERY_REDLOCK_*`` settings, read by Celery through
 ``app.config_from_object("django.conf:settings", namespace="CELERY")``, drive the worker;
-``manage.py check`` flags a bad one.
+a bad one stops `celery worker` at start and ``manage.py check`` flags it.
 
 Both run in subprocesses (a `celery worker`, ``python -m django check``), the way a Django
 project runs them, so this process never configures Django.
@@ -18,7 +18,7 @@ import pytest
 
 from celery_redlock.testing import wait_for
 
-from .redlock_testkit import ProjEnv
+from .redlock_testkit import FAILING_WORKER_ARGS, ProjEnv, exit_code, queue_length
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -44,6 +44,76 @@ def test_celery_redlock_settings_from_django_drive_the_worker(
     proj_env.stop_loop("x")
     assert first.get(timeout=15) == "x"
     assert {e["task_id"] for e in proj_env.events()} == {first.id}
+
+
+@pytest.mark.parametrize(
+    ("ttl", "got"),
+    [pytest.param("'soon'", "got 'soon'", id="str"), pytest.param("-1", "got -1", id="negative")],
+)
+def test_worker_exits_at_start_on_a_bad_django_setting(
+    proj_env: ProjEnv, celery_cmd: Any, ttl: str, got: str
+) -> None:
+    worker = celery_cmd(
+        {**proj_env.vars, "REDLOCK_TEST_DJANGO_TTL": ttl},
+        *FAILING_WORKER_ARGS,
+        app="redlock_proj.django_celery",
+    )
+    assert exit_code(worker) != 0
+    log = worker.log
+    assert "ImproperlyConfigured" in log
+    # The Django spelling, what is accepted, and the value given.
+    assert "CELERY_REDLOCK_TTL" in log
+    assert "must be a number of seconds >= 0.01 (int or float)" in log
+    assert got in log
+    assert " ready." not in log
+
+
+_PUBLISH_TWICE = """
+import sys
+from redlock_proj.django_celery import hold
+first, second = hold.delay(sys.argv[1]), hold.delay(sys.argv[1])
+print(first.id, second.id)
+"""
+
+
+def _publish_twice(env: ProjEnv, name: str, dedupe: str) -> tuple[str, str]:
+    """Publish ``hold(name)`` twice from the Django-configured app, as a Django view would."""
+    run_env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "REDLOCK_TEST_"))
+    }
+    run_env.update(
+        env.vars,
+        REDLOCK_TEST_DJANGO_DEDUPE=dedupe,
+        PYTHONPATH=os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _PUBLISH_TWICE, name],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.split()
+    return first, second
+
+
+def test_celery_redlock_dedupe_from_django_decides_what_is_published(proj_env: ProjEnv) -> None:
+    # No worker consumes: every message published stays in the queue.
+    client = proj_env.client_app()
+    marker = "redlock:{hold:y}:dedupe"
+
+    # CELERY_REDLOCK_DEDUPE = None: two identical publishes are two jobs.
+    first, second = _publish_twice(proj_env, "x", "None")
+    assert first != second
+    assert queue_length(client, proj_env.queue) == 2
+    # The default ("queued"), set the Django way: the second publish is the queued job.
+    first, second = _publish_twice(proj_env, "y", "'queued'")
+    assert first == second
+    assert queue_length(client, proj_env.queue) == 3
+    with proj_env.masters[0].client(decode_responses=True) as conn:
+        assert conn.get(marker) == first
 
 
 def _django_check(ttl: str) -> subprocess.CompletedProcess[str]:

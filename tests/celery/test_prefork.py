@@ -1,5 +1,6 @@
 """Real `celery worker` processes (prefork pool, 2 children) where fork, signals and kills
-matter: time limits, revoke with terminate, a worker killed mid-task, masters going away.
+matter: time limits, revoke with terminate, a lost lock interrupting a body, a worker killed
+mid-task, masters going away.
 
 Each worker is ``python -m celery -A redlock_proj.celery_app worker -P prefork -c 2`` in its
 own process group, on a harness Redis broker and on RabbitMQ (every test runs on both, with
@@ -20,9 +21,10 @@ from typing import Any
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
+from celery_redlock import LockLostInterrupt
 from celery_redlock.testing import process_running, wait_for
 
-from .redlock_proj.project import CRASHY, LOOP, QUICK, QUICK_CAPPED, QUICK_RAISE, QUICK_SKIP
+from .redlock_proj.project import CRASHY, LOOP, QUICK, QUICK_CAPPED, QUICK_RAISE, QUICK_SKIP, SWEEP
 from .redlock_testkit import BROKERS, ProjEnv
 
 pytestmark = [
@@ -53,7 +55,11 @@ def _meta(env: ProjEnv, key: str) -> dict[str, str]:
 
 
 def _entered(env: ProjEnv, task_id: str) -> list[dict[str, Any]]:
-    return [e for e in env.events() if e["task_id"] == task_id and e["event"] == "enter"]
+    return _events_of(env, task_id, "enter")
+
+
+def _events_of(env: ProjEnv, task_id: str, event: str) -> list[dict[str, Any]]:
+    return [e for e in env.events() if e["task_id"] == task_id and e["event"] == event]
 
 
 def test_time_limits_release_the_lock_at_once(proj_env: ProjEnv, spawn_worker: Any) -> None:
@@ -134,6 +140,70 @@ def test_revoke_and_a_killed_pool_child_release_at_once(
     run_and_end("oom", lambda _, child: os.kill(child, signal.SIGKILL), "FAILURE", within=13)
     assert "released loop:oom after WorkerLostError" in worker.log
     assert not any(e["event"] == "exit" for e in proj_env.events())
+
+
+def test_interrupt_stops_a_body_whose_lock_was_lost_and_the_pool_child_runs_on(
+    proj_env: ProjEnv, spawn_worker: Any
+) -> None:
+    # One pool child, so that the next job provably runs in the child that was interrupted.
+    worker = spawn_worker("a", "-c", "1")
+    app = proj_env.client_app()
+    lock, meta = _lock_names("sweep:s")
+
+    renew_every = 3 / 3  # sweep's lock_ttl is 3 s; its body would run for 30 s
+    job = app.tasks[SWEEP].delay("s", 30)
+    [enter] = wait_for(lambda: _entered(proj_env, job.id), timeout=15, message="job started")
+    wait_for(lambda: all(_on_masters(proj_env, meta)), timeout=5, message="lock and metadata")
+    assert all(_on_masters(proj_env, lock))
+    owner = _meta(proj_env, "sweep:s")
+    assert owner["task_id"] == job.id
+    child = int(owner["pid"])
+    assert enter["pid"] == child
+
+    # An operator (or an expiry) takes the lock away on every master.
+    for server in proj_env.masters:
+        with server.client() as conn:
+            conn.delete(lock, meta)
+    lost_at = time.monotonic_ns()
+
+    # Noticed at the next renewal, long before the body's 30 s are up.
+    with pytest.raises(LockLostInterrupt):
+        job.get(timeout=renew_every + 5)
+    [interrupted] = _events_of(proj_env, job.id, "interrupted")
+    assert interrupted["pid"] == child
+    assert (interrupted["t"] - lost_at) / 1e9 < renew_every + 2
+    assert _events_of(proj_env, job.id, "exit") == []
+    assert job.state == "FAILURE"
+    assert isinstance(job.result, LockLostInterrupt)
+
+    [lost] = wait_for(
+        lambda: [s for s in proj_env.signals("lock_lost") if s["task_id"] == job.id],
+        timeout=5,
+        message="lock_lost recorded",
+    )
+    assert lost["key"] == "sweep:s"
+    assert lost["policy"] == "interrupt"
+    assert lost["pid"] == child
+    assert lost["t"] <= interrupted["t"]
+    # Nothing renewed or re-created the lock after the loss.
+    assert not any(_on_masters(proj_env, lock))
+    assert not any(_on_masters(proj_env, meta))
+
+    # The worker did not lose its child: the same process takes the next job and runs it.
+    assert process_running(child)
+    quick = app.tasks[QUICK].delay("after")
+    assert quick.get(timeout=15) == "after"
+    [quick_enter] = _entered(proj_env, quick.id)
+    assert quick_enter["pid"] == child
+    assert len(_events_of(proj_env, quick.id, "exit")) == 1
+    wait_for(
+        lambda: not any(_on_masters(proj_env, _lock_names("quick:after")[0])),
+        timeout=5,
+        message="quick job's lock released",
+    )
+    log = worker.log
+    assert "WorkerLostError" not in log
+    assert "lock sweep:s lost while running" in log
 
 
 @pytest.mark.chaos

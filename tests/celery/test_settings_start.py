@@ -4,13 +4,12 @@ naming the setting, never at the first task."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .redlock_testkit import ProjEnv
+from .redlock_testkit import FAILING_WORKER_ARGS, ProjEnv, exit_code
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,31 +24,14 @@ BAD_SETTINGS = [
 ]
 
 
-def _exit_code(process: Any) -> int:
-    try:
-        return int(process.proc.wait(timeout=60))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"still running with bad settings:\n{process.log[-3000:]}") from None
-
-
 @pytest.mark.parametrize(("conf", "named"), BAD_SETTINGS)
 def test_worker_exits_at_start(
     proj_env: ProjEnv, celery_cmd: Any, conf: dict[str, Any], named: list[str]
 ) -> None:
     worker = celery_cmd(
-        {**proj_env.vars, "REDLOCK_TEST_CONF": json.dumps(conf)},
-        "worker",
-        "-P",
-        "prefork",
-        "-c",
-        "1",
-        "--without-heartbeat",
-        "--without-gossip",
-        "--without-mingle",
-        "-l",
-        "info",
+        {**proj_env.vars, "REDLOCK_TEST_CONF": json.dumps(conf)}, *FAILING_WORKER_ARGS
     )
-    assert _exit_code(worker) != 0
+    assert exit_code(worker) != 0
     log = worker.log
     assert "ImproperlyConfigured" in log
     for text in named:
@@ -69,6 +51,6 @@ def test_beat_exits_at_start(
         "-l",
         "info",
     )
-    assert _exit_code(beat) != 0
+    assert exit_code(beat) != 0
     for text in named:
         assert text in beat.log

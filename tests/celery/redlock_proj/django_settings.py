@@ -3,8 +3,9 @@
 Celery reads every ``CELERY_*`` name here through
 ``app.config_from_object("django.conf:settings", namespace="CELERY")``; celery-redlock's
 settings are the ``CELERY_REDLOCK_*`` ones. Connection URLs come from the same environment
-variables as the plain project; ``REDLOCK_TEST_DJANGO_TTL`` (a Python literal) becomes
-``CELERY_REDLOCK_TTL``, to test the system checks with a bad value.
+variables as the plain project; ``REDLOCK_TEST_DJANGO_TTL`` and ``REDLOCK_TEST_DJANGO_DEDUPE``
+(Python literals) become ``CELERY_REDLOCK_TTL`` and ``CELERY_REDLOCK_DEDUPE``, to test the
+system checks and worker start with a bad value and to switch enqueue dedupe.
 """
 
 from __future__ import annotations
@@ -28,4 +29,4 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_REDLOCK_REDIS_URLS = os.environ.get("REDLOCK_TEST_MASTERS", _UNUSED).split(",")
 CELERY_REDLOCK_TTL = ast.literal_eval(os.environ.get("REDLOCK_TEST_DJANGO_TTL", "30"))
 CELERY_REDLOCK_ON_CONTENTION = "skip"
-CELERY_REDLOCK_DEDUPE = None
+CELERY_REDLOCK_DEDUPE = ast.literal_eval(os.environ.get("REDLOCK_TEST_DJANGO_DEDUPE", "None"))

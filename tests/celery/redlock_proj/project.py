@@ -14,13 +14,13 @@ Environment keys:
                           tests sharing one RabbitMQ never see each other's messages
 ``REDLOCK_TEST_CONF``      optional JSON object merged into ``app.conf`` last (bad settings)
 
-Task bodies append JSON events ``{"event": "enter"|"exit", "task_id", "name", "host",
-"pid", "t": time.monotonic_ns()}`` to the ``events`` list. CLOCK_MONOTONIC is system-wide
-on Linux, so the test process can compare those times with its own.
+Task bodies append JSON events ``{"event": "enter"|"exit"|"interrupted", "task_id", "name",
+"host", "pid", "t": time.monotonic_ns()}`` to the ``events`` list. CLOCK_MONOTONIC is
+system-wide on Linux, so the test process can compare those times with its own.
 
 In a worker (``celery_app.py`` calls :func:`record_signals`), celery-redlock's signals are
 appended to the ``signals`` list of the same database: ``{"signal", "task_id", "key",
-"action", "countdown", "errors", "host", "pid", "t"}``.
+"action", "countdown", "errors", "policy", "host", "pid", "t"}``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import redis
 from celery import Celery
 
 import celery_redlock
-from celery_redlock import SingletonTask
+from celery_redlock import LockLostInterrupt, SingletonTask
 from celery_redlock import signals as redlock_signals
 
 LOOP = "redlock_proj.loop"
@@ -46,6 +46,8 @@ QUICK = "redlock_proj.quick"
 QUICK_SKIP = "redlock_proj.quick_skip"
 QUICK_RAISE = "redlock_proj.quick_raise"
 QUICK_CAPPED = "redlock_proj.quick_capped"  # on_contention="retry", max_contention_retries=1
+#: Pure-Python work with ``on_lock_lost="interrupt"`` and a 3 s lock TTL (renewed every 1 s).
+SWEEP = "redlock_proj.sweep"
 
 #: The signals :func:`record_signals` records.
 RECORDED_SIGNALS = ("lock_contended", "lock_unavailable", "lock_lost", "duplicate_dropped")
@@ -132,6 +134,32 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return name
 
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=SWEEP,
+        lock_key="sweep:{name}",
+        lock_ttl=3,
+        on_lock_lost="interrupt",
+        dedupe=None,
+    )
+    def sweep(self: Any, name: str, seconds: float = 30.0) -> str:
+        """Pure-Python work for ``seconds`` (no I/O, no sleep: the interpreter checks for an
+        interrupt between bytecodes); records ``interrupted`` when its lost lock stops it."""
+        record("enter", self)
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                total = 0
+                for i in range(1000):
+                    total += i
+        except LockLostInterrupt:
+            record("interrupted", self)
+            raise
+        record("exit", self)
+        return name
+
     for task_name, prefix, options in (
         (QUICK_SKIP, "skip", {"on_contention": "skip"}),
         (QUICK_RAISE, "raise", {"on_contention": "raise"}),
@@ -173,6 +201,7 @@ def record_signals(env: Mapping[str, str]) -> None:
                         "action": kwargs.get("action"),
                         "countdown": kwargs.get("countdown"),
                         "errors": sorted(kwargs.get("errors") or ()),
+                        "policy": kwargs.get("policy"),
                         "host": getattr(request, "hostname", None) or socket.gethostname(),
                         "pid": os.getpid(),
                         "t": time.monotonic_ns(),
