@@ -90,7 +90,9 @@ def test_tokens_increase_while_masters_restart_empty(
     (a majority stays up, with the highest counter on it), or all at once, twice (every
     counter lost: only the wall-clock seed keeps tokens rising, and each process keeps
     the restarted masters out of its quorum for its TTL, so holds never overlap)."""
-    acquisitions = 150 if together else 250
+    # Enough acquisitions for the holders to outlast every restart (a turn can see hundreds of
+    # holds: the holders run on while a master restarts).
+    acquisitions = 200 if together else 500
     started = helpers.start_holders(
         3, masters.urls, tmp_path, key="chaos", acquisitions=acquisitions, ttl=1.0, fence=True,
         budget=60,
@@ -100,16 +102,25 @@ def test_tokens_increase_while_masters_restart_empty(
     def progress() -> int:
         return sum(len(helpers.read_holds(out)) for out in outputs)
 
+    def holders_done() -> bool:
+        return all(proc.poll() is not None for proc, _ in started)
+
+    turns = 2 if together else 2 * len(masters)
+    restarts = 0
     try:
-        for turn in range(2 if together else 2 * len(masters)):
+        for turn in range(turns):
             seen = progress()
             # Let the holders take the lock a few times with the masters back, then
             # crash the next one (or all of them).
-            wait_for(lambda s=seen: progress() >= s + 25, timeout=30)
+            wait_for(lambda s=seen: progress() >= s + 25 or holders_done(), timeout=30)
+            if holders_done():
+                break
             for server in masters if together else [masters[turn % len(masters)]]:
                 server.restart(keep_data=False)
+            restarts += 1
     finally:
         holds = helpers.wait_holders(started, timeout=90)
+    assert restarts == turns, f"the holders were done after {restarts} of {turns} restarts"
     assert len(holds) == 3 * acquisitions
     assert sum(fence is None for _, _, fence, _ in holds) <= 6  # reads cut by a restart
     assert_fences_increase(holds)
