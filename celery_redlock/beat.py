@@ -278,11 +278,9 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
             )
         except RedlockError as exc:
-            logger.warning("beat: not sending %s: %s", entry.name, exc)
             _not_sent(entry.name, None, f"cannot claim it: {exc}")
             return None
         if not leader.is_leading():
-            logger.warning("beat: lost the leader lease while claiming %s; not sent", occurrence)
             redlock.unclaim(f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity)
             _not_sent(entry.name, occurrence, "lost the leader lease while claiming it")
             return None
@@ -350,6 +348,8 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         return max(settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0))
 
     def _not_sent(name: str, occurrence: str | None, reason: str) -> None:
+        # Nothing is dropped silently: a warning and the signal, wherever it happens.
+        logger.warning("beat: not sending %s: %s", occurrence or name, reason)
         signals.beat_not_sent.send(sender=leader, entry=name, occurrence=occurrence, reason=reason)
 
     def _claim_missed(
@@ -369,8 +369,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
             )
         except RedlockError as exc:
-            logger.warning("beat: not sending missed %s: cannot claim it: %s", occurrence, exc)
-            _not_sent(name, occurrence, f"cannot claim it: {exc}")
+            _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
             return None
         if holder == leader.identity:
             return occurrence, None
@@ -410,7 +409,6 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 f"beat:{occurrence}", RUN_SUFFIX, task_id, settings.dedupe_ttl
             )
         except RedlockError as exc:
-            logger.warning("beat: not sending %s again: cannot claim its run: %s", occurrence, exc)
             _not_sent(name, occurrence, f"cannot claim its run: {exc}")
             return None
         return task_id if holder == task_id and fresh else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import select
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .master import Link, Slot
@@ -130,18 +130,7 @@ def run_round(
             timeout = deadline - clock()
             if timeout <= 0:
                 break
-        by_sock = {}
-        ready: list[int] = []
-        for i in pending:
-            sock = links[i].sock
-            if sock is None:
-                continue
-            if getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
-                ready.append(i)
-            by_sock[sock] = i
-        if not ready:
-            readable, _, _ = select.select(list(by_sock), [], [], timeout)
-            ready = [by_sock[s] for s in readable]
+        ready = _ready(links, pending, timeout)
         for i in ready:
             link = links[i]
             try:
@@ -171,6 +160,27 @@ def run_round(
             else:
                 result.not_waited.add(i)
     return result
+
+
+def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> list[int]:
+    """Which of ``links[i]`` for ``i`` in ``indexes`` have something to read.
+
+    A TLS socket may hold decrypted bytes that ``select`` does not see: those count
+    at once; otherwise ``select`` waits up to ``timeout`` for the first readable ones.
+    """
+    by_sock = {}
+    ready: list[int] = []
+    for i in indexes:
+        sock = links[i].sock
+        if sock is None:
+            continue
+        if getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
+            ready.append(i)
+        by_sock[sock] = i
+    if ready:
+        return ready
+    readable, _, _ = select.select(list(by_sock), [], [], timeout)
+    return [by_sock[sock] for sock in readable]
 
 
 def _connect_all(
@@ -213,21 +223,10 @@ def _connect_all(
                 failed(i, exc)
         deadline = clock() + node_timeout
         while handshakes:
-            by_sock = {}
-            ready: list[int] = []
-            for i in handshakes:
-                sock = links[i].sock
-                assert sock is not None
-                if getattr(sock, "pending", None) is not None and sock.pending():  # type: ignore[attr-defined]
-                    ready.append(i)
-                by_sock[sock] = i
-            if not ready:
-                timeout = deadline - clock()
-                if timeout <= 0:
-                    break
-                readable, _, _ = select.select(list(by_sock), [], [], timeout)
-                ready = [by_sock[sock] for sock in readable]
-            for i in ready:
+            timeout = deadline - clock()
+            if timeout <= 0:
+                break
+            for i in _ready(links, handshakes, timeout):
                 slot = handshakes[i]
                 try:
                     links[i].read_available()

@@ -535,25 +535,18 @@ class Redlock:
                 payloads = [payload] * n
 
             def decided(r: RoundResult) -> bool:
-                ok = held = 0
+                out = quarantined
                 if master_mod.restarts_seen:
                     # A link that reconnects during the round may find its master restarted.
                     out = quarantined | self._quarantined(self._clock())
-                    for i, x in enumerate(r.replies):
-                        if x is not None and i not in out:
-                            if x[0] == 1:
-                                ok += 1
-                            else:
-                                held += 1
-                    unreachable = len(out | r.errors.keys())
-                else:  # the usual case: count the replies, nothing is kept out
-                    for x in r.replies:
-                        if x is not None:
-                            if x[0] == 1:
-                                ok += 1
-                            else:
-                                held += 1
-                    unreachable = len(r.errors)
+                ok = held = 0
+                for i, x in enumerate(r.replies):
+                    if x is not None and i not in out:
+                        if x[0] == 1:
+                            ok += 1
+                        else:
+                            held += 1
+                unreachable = len(out | r.errors.keys()) if out else len(r.errors)
                 if ok >= q:
                     return True
                 # Stop once winning is impossible *and* contention can be told from an
