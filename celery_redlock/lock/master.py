@@ -449,11 +449,15 @@ class Link:
             except BlockingIOError:
                 continue
 
+    def buffered(self) -> bool:
+        """True when a TLS socket holds decrypted bytes, which ``select`` does not see."""
+        return not self._nonblocking and self.sock is not None and _pending(self.sock) > 0
+
     def wait_readable(self, timeout: float) -> bool:
         sock = self.sock
         if sock is None:
             return False
-        if _pending(sock):
+        if self.buffered():
             return True
         readable, _, _ = select.select([sock], [], [], max(timeout, 0.0))
         return bool(readable)

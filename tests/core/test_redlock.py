@@ -403,6 +403,10 @@ def test_bad_specs_are_improperly_configured() -> None:
         Redlock(["redis://127.0.0.1:1/0"], node_timeout=0)
     with pytest.raises(ImproperlyConfigured):
         Redlock(["redis://127.0.0.1:1/0"], clock_drift_factor=0.5)
+    with pytest.raises(ImproperlyConfigured, match="spin_wait must be >= 0"):
+        Redlock(["redis://127.0.0.1:1/0"], spin_wait=-1)
+    with pytest.raises(ImproperlyConfigured, match=r"spin_wait must be shorter than node_timeout"):
+        Redlock(["redis://127.0.0.1:1/0"], node_timeout=0.1, spin_wait=0.1)
     # A single URL (not a list) is one master.
     assert len(Redlock("redis://127.0.0.1:1/0").masters) == 1
     assert issubclass(ImproperlyConfigured, RedlockError)
