@@ -24,10 +24,12 @@ at the same CPU per cycle). The caller decides when polling pays off (see
 from __future__ import annotations
 
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .master import Link, Slot
 
@@ -235,11 +237,13 @@ def _connect_all(
 ) -> None:
     """Connect every link that has a payload and no connection, all at once.
 
-    Each handshake is sent first, then all are waited for together within one
-    ``node_timeout``, so masters that accept a connection but do not answer (a
-    stopped process) cost one timeout in all, not one each. A master that cannot be
-    connected gets an entry in ``errors`` and is not tried again for
-    ``reconnect_backoff`` seconds.
+    The TCP connects to plain TCP masters are started together and waited for within
+    one ``node_timeout`` (masters that drop packets cost one timeout in all, not one
+    each); other masters (TLS, unix sockets, Sentinel) are connected by redis-py, one
+    after another. Then each handshake is sent and all are waited for together within
+    one ``node_timeout``, so masters that accept a connection but do not answer (a
+    stopped process) also cost one timeout in all. A master that cannot be connected
+    gets an entry in ``errors`` and is not tried again for ``reconnect_backoff`` seconds.
     """
 
     def failed(i: int, why: object) -> None:
@@ -249,6 +253,8 @@ def _connect_all(
         link.master.mark_down(f"connect failed: {why}")
         errors[i] = link.master.last_error
 
+    connecting: dict[socket.socket, tuple[int, Any]] = {}
+    to_open: list[tuple[int, Any]] = []
     handshakes: dict[int, Slot] = {}
     try:
         now = clock()
@@ -260,7 +266,38 @@ def _connect_all(
                 errors[i] = link.master.last_error or "not connected"
                 continue
             try:
-                handshakes[i] = link.open()
+                started = link.master.start_connect()
+            except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+                failed(i, exc)
+                continue
+            if started is None:
+                to_open.append((i, None))
+            else:
+                connecting[started[1]] = (i, started[0])
+        deadline = clock() + node_timeout
+        while connecting:
+            timeout = deadline - clock()
+            if timeout <= 0:
+                break
+            _, writable, _ = select.select([], list(connecting), [], timeout)
+            for sock in writable:
+                i, conn = connecting.pop(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    # Refused, or the like: redis-py connects it (trying every address
+                    # the name resolves to) and words the error as usual.
+                    sock.close()
+                    to_open.append((i, None))
+                else:
+                    to_open.append((i, conn))
+        for sock, (i, _) in list(connecting.items()):
+            del connecting[sock]
+            sock.close()
+            failed(i, f"TCP connect timed out after {node_timeout}s")
+        to_open.sort(key=lambda item: item[0])
+        while to_open:
+            i, conn = to_open.pop(0)
+            try:
+                handshakes[i] = links[i].open(conn)
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                 failed(i, exc)
         deadline = clock() + node_timeout
@@ -282,6 +319,11 @@ def _connect_all(
             del handshakes[i]
             failed(i, f"no handshake reply within {node_timeout}s")
     except BaseException:
+        for sock in connecting:
+            sock.close()
+        for _, conn in to_open:
+            if conn is not None and conn.given_sock is not None:
+                conn.given_sock.close()
         for i in handshakes:  # half-open links must not carry the next round's commands
             links[i].close()
         raise

@@ -11,6 +11,7 @@ keeps a late ``SET NX`` from landing after its own release.
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import logging
 import os
@@ -84,6 +85,23 @@ def _no_setinfo_kwargs() -> tuple[dict[str, Any], tuple[str, ...]]:
 
 
 _NO_SETINFO = _no_setinfo_kwargs()
+
+
+class _Preconnected(redis.connection.Connection):
+    """redis-py's TCP connection, finishing a connect started by :meth:`Master.start_connect`.
+
+    Several masters' TCP connects run at once that way; redis-py then does the rest of
+    its connect (``AUTH``, ``SELECT``) on the socket it is given.
+    """
+
+    given_sock: socket.socket | None = None
+
+    def _connect(self) -> socket.socket:
+        sock, self.given_sock = self.given_sock, None
+        if sock is None:  # connected again later: redis-py's own way
+            return super()._connect()  # type: ignore[no-untyped-call,no-any-return]
+        sock.settimeout(self.socket_timeout)
+        return sock
 
 
 def _after_fork_in_child() -> None:
@@ -162,6 +180,45 @@ class Master:
 
     def new_connection(self) -> Any:
         return self._connection_class(**self._connection_kwargs)
+
+    def start_connect(self) -> tuple[Any, socket.socket] | None:
+        """Start a non-blocking TCP connect to this master, for several to run at once.
+
+        Only for plain TCP masters (redis-py's ``Connection``). Returns the socket to wait
+        on (writable once connected; then ``SO_ERROR`` tells) and the redis-py connection
+        object to finish the connect on (``AUTH``, ``SELECT``) once it is, with
+        :meth:`Link.open`. The socket has the options redis-py would give it. Returns
+        None for masters redis-py connects itself (TLS, unix sockets, Sentinel, other
+        connection classes), and when the connect fails at once (a name that does not
+        resolve, a refused address): redis-py then tries every address the name resolves
+        to and words the error as usual.
+        """
+        if self._connection_class is not redis.connection.Connection:
+            return None
+        conn = _Preconnected(**self._connection_kwargs)  # type: ignore[no-untyped-call]
+        try:
+            family, socktype, proto, _, address = socket.getaddrinfo(
+                conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM
+            )[0]
+            sock = socket.socket(family, socktype, proto)
+        except OSError:
+            return None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.socket_keepalive:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                for option, value in conn.socket_keepalive_options.items():
+                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            sock.setblocking(False)
+            error = sock.connect_ex(address)
+        except BaseException:
+            sock.close()
+            raise
+        if error not in (0, errno.EINPROGRESS):
+            sock.close()
+            return None
+        conn.given_sock = sock
+        return conn, sock
 
     def client(self) -> redis.Redis:
         """A plain redis-py client with our timeouts, for operator tools (not the hot path)."""
@@ -350,15 +407,17 @@ class Link:
             raise
         self.finish_handshake(slot, now)
 
-    def open(self) -> Slot:
+    def open(self, conn: Any = None) -> Slot:
         """Open the connection and send the handshake without waiting for its replies.
 
         The handshake reads the master's run_id (``INFO server``) and loads our scripts;
         its slot fills as :meth:`read_available` reads, and :meth:`finish_handshake`
-        checks it. Several links can so wait on their handshakes together. Raises
-        ``OSError`` or a redis error when the connection cannot be opened.
+        checks it. Several links can so wait on their handshakes together. ``conn`` is a
+        connection whose TCP connect completed (:meth:`Master.start_connect`); without
+        it, redis-py connects. Raises ``OSError`` or a redis error when the connection
+        cannot be opened.
         """
-        conn = self.master.new_connection()
+        conn = conn if conn is not None else self.master.new_connection()
         try:
             conn.connect()
             sock = conn._sock

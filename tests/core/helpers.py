@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,7 @@ from celery_redlock.testing import RedisServer
 __all__ = [
     "Ledger",
     "assert_no_overlap",
+    "blackhole",
     "clean_state",
     "command_calls",
     "keys_on",
@@ -53,6 +55,35 @@ _made: list[Redlock] = []
 
 
 # -- clients and state ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[str]:
+    """A ``redis://`` URL whose TCP connects hang, as to a host that drops packets.
+
+    A loopback listener with a backlog of 0 that never accepts, its queue filled by one
+    connection: Linux then drops further SYNs, so a connect neither completes nor fails
+    until the client gives up.
+    """
+    listener = socket.socket()
+    filler = socket.socket()
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        filler.connect(("127.0.0.1", port))
+        probe = socket.socket()
+        probe.settimeout(0.2)
+        try:
+            with contextlib.suppress(TimeoutError):
+                probe.connect(("127.0.0.1", port))
+                raise AssertionError("the backlog is not full: connects still complete")
+        finally:
+            probe.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        filler.close()
+        listener.close()
 
 
 def make_redlock(masters: Sequence[Any], **kwargs: Any) -> Redlock:

@@ -8,6 +8,7 @@ holder in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -86,6 +87,28 @@ def test_majority_down_is_quorum_unavailable_fast(masters: Masters, how: str, wa
         # are sent to every master and waited for together, so the stopped masters cost
         # one node_timeout in all, not one each (0.6 s on 5 masters).
         assert elapsed < NODE_TIMEOUT + SLACK
+
+
+@pytest.mark.parametrize("masters", [2, 3], indirect=True)
+def test_masters_that_drop_connects_cost_one_timeout_in_all(masters: Masters) -> None:
+    """TCP connects are waited for together: 3 hosts that drop packets cost one timeout.
+
+    With 2 live masters of 5 the quorum (3) is out of reach; with 3 it is not. One
+    connect after another (as redis-py does) took 3 x node_timeout here.
+    """
+    with contextlib.ExitStack() as stack:
+        dark = [stack.enter_context(helpers.blackhole()) for _ in range(5 - len(masters))]
+        rl = make_redlock([*masters, *dark], node_timeout=NODE_TIMEOUT)
+        elapsed, outcome = timed(lambda: rl.acquire("dark", 5))
+        assert elapsed < NODE_TIMEOUT + SLACK
+        if len(masters) < 3:
+            assert isinstance(outcome, QuorumUnavailable), outcome
+            assert set(outcome.errors) == set(dark)
+            assert all("TCP connect timed out" in e for e in outcome.errors.values())
+        else:
+            assert not isinstance(outcome, Exception), outcome
+            assert outcome.held  # type: ignore[attr-defined]
+            outcome.release()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("masters", [1, 3], indirect=True)
