@@ -85,6 +85,7 @@ def run_round(
     wait_on_down: bool = False,
     awaiting: Mapping[int, Slot] | None = None,
     spin: float = 0.0,
+    wait: bool = True,
 ) -> RoundResult:
     """Send ``payloads[i]`` (bytes, number of replies) to ``links[i]``; collect replies.
 
@@ -101,6 +102,9 @@ def run_round(
     ``spin`` (seconds, real time) lets the round poll for replies without sleeping
     for that long after sending, then sleep as usual; it never outlasts
     ``node_timeout``. :attr:`RoundResult.waited` says how long the round waited.
+
+    ``wait=False`` sends and returns at once: no reply is waited for, every slot is
+    left to later rounds on the same links (:attr:`RoundResult.not_waited`).
     """
     n = len(links)
     result = RoundResult(replies=[None] * n)
@@ -137,6 +141,12 @@ def run_round(
     spin_until = sent_at + min(spin, node_timeout) if spin > 0.0 else 0.0
     waited = False
     pending = slots
+    if not wait:
+        for i, slot in slots.items():
+            slot.abandoned = True
+            result.late[i] = slot
+            result.not_waited.add(i)
+        pending = {}
     # Every master was sent its payload and nothing is known yet: the first look at
     # ``decided`` can wait for the first replies.
     blank = len(slots) == n and not awaiting

@@ -485,6 +485,7 @@ class Redlock:
         *,
         wait_on_down: bool = False,
         awaiting: Mapping[int, Slot] | None = None,
+        wait: bool = True,
     ) -> RoundResult:
         spin_wait = self.spin_wait
         spin = spin_wait if spin_wait and self._reply_wait <= spin_wait else 0.0
@@ -498,6 +499,7 @@ class Redlock:
             wait_on_down=wait_on_down,
             awaiting=awaiting,
             spin=spin,
+            wait=wait,
         )
         if result.waited and spin_wait:
             # Polling pays while rounds usually wait no longer than spin_wait. A long
@@ -664,8 +666,6 @@ class Redlock:
         q = self.quorum
 
         def decided(r: RoundResult) -> bool:
-            if not wait:
-                return True
             deleted = 0
             for x in r.replies:
                 if x is not None and x[0] == 1:
@@ -673,7 +673,7 @@ class Redlock:
             return deleted >= q
 
         with self._lane(lease._lane) as lane:
-            result = self._round(lane, [payload] * len(self.masters), decided)
+            result = self._round(lane, [payload] * len(self.masters), decided, wait=wait)
         deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
         if result.errors:
             logger.warning(

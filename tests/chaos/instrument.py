@@ -129,6 +129,7 @@ class InstrumentedRedlock(Redlock):
         *,
         wait_on_down: bool = False,
         awaiting: Mapping[int, Slot] | None = None,
+        wait: bool = True,
     ) -> RoundResult:
         now = self._clock()
         connects = sum(
@@ -140,7 +141,7 @@ class InstrumentedRedlock(Redlock):
         )
         started = time.monotonic_ns()
         result = super()._round(
-            lane, payloads, decided, wait_on_down=wait_on_down, awaiting=awaiting
+            lane, payloads, decided, wait_on_down=wait_on_down, awaiting=awaiting, wait=wait
         )
         took = time.monotonic_ns() - started
         self.history.write(

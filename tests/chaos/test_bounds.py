@@ -45,3 +45,30 @@ def test_a_connect_costs_one_round_trip(slow_masters: ProxyProcess) -> None:
         assert lease.release()
     finally:
         rl.close()
+
+
+@pytest.mark.parametrize("spin_wait", [0.002, 0.2], ids=["adaptive", "control: polls throughout"])
+def test_slow_replies_stop_the_polling(slow_masters: ProxyProcess, spin_wait: float) -> None:
+    """Masters whose replies come later than ``spin_wait`` cost no polling CPU.
+
+    The proxy holds every reply 10 ms. With ``spin_wait`` = 2 ms the client stops polling
+    after a few rounds and sleeps through the waits: it is on a CPU a small share of the
+    time. The control polls for up to 0.2 s, longer than any wait, so it keeps polling:
+    on a CPU most of the time.
+    """
+    slow_masters.set("*", "delay", 0, 0.01)
+    rl = Redlock(slow_masters.urls(), node_timeout=0.3, spin_wait=spin_wait)
+    try:
+        for i in range(12):  # long enough for the moving average to settle
+            rl.acquire(f"settle-{i}", 5).release()
+        cpu, wall = time.thread_time(), time.monotonic()
+        for i in range(20):
+            rl.acquire(f"slow-{i}", 5).release()
+        busy = (time.thread_time() - cpu) / (time.monotonic() - wall)
+    finally:
+        rl.close()
+    # The share of the time this thread was on a CPU: sleeping in select is not.
+    if spin_wait < 0.01:
+        assert busy < 0.1, f"on CPU {busy:.0%} of the time"
+    else:
+        assert busy > 0.5, f"on CPU {busy:.0%} of the time"

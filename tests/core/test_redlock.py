@@ -237,6 +237,36 @@ def test_not_reentrant(masters: Masters) -> None:
     assert again.state == "released"
 
 
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_release_without_waiting_returns_at_once_and_still_lands(masters: Masters) -> None:
+    """``release(wait=False)`` (a task body that returned) writes and returns.
+
+    With every master stopped, waiting for even one reply would take ``node_timeout``
+    (0.5 s). The release runs once they resume, and the next round on the same
+    connections reads past its replies.
+    """
+    rl = make_redlock(masters, node_timeout=0.5)
+    lease = rl.acquire("no-wait", 10)
+    for server in masters:
+        server.pause()
+    try:
+        started = time.monotonic()
+        confirmed = lease.release(wait=False)
+        elapsed = time.monotonic() - started
+    finally:
+        for server in masters:
+            server.resume()
+    assert confirmed is False  # nothing was confirmed
+    assert elapsed < 0.1
+    assert not lease.held
+    name = lock_name("no-wait")
+    wait_for(lambda: all(value_on(s, name) is None for s in masters), timeout=5)
+    again = rl.acquire("no-wait", 10)
+    assert again.held
+    assert again.release() is True
+    assert all(value_on(s, name) is None for s in masters)
+
+
 @pytest.mark.chaos
 @pytest.mark.parametrize("masters", [3], indirect=True)
 def test_expired_lease_is_not_held_without_asking_redis(masters: Masters) -> None:
