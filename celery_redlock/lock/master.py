@@ -95,6 +95,10 @@ class _Preconnected(redis.connection.Connection):
     """
 
     given_sock: socket.socket | None = None
+    #: what redis-py's connect would have sent and waited for one command at a time
+    #: (``AUTH``, ``SELECT``, ``CLIENT SETNAME``): the link sends it ahead of its own
+    #: handshake, in the same write (see :meth:`Master.start_connect`)
+    handshake: tuple[tuple[str, ...], ...] = ()
 
     def _connect(self) -> socket.socket:
         sock, self.given_sock = self.given_sock, None
@@ -102,6 +106,36 @@ class _Preconnected(redis.connection.Connection):
             return super()._connect()  # type: ignore[no-untyped-call,no-any-return]
         sock.settimeout(self.socket_timeout)
         return sock
+
+
+def _pipelined_handshake(
+    kwargs: Mapping[str, Any],
+) -> tuple[dict[str, Any], tuple[tuple[str, ...], ...]]:
+    """Split redis-py's connect commands off connection ``kwargs``, to be sent pipelined.
+
+    Returns the kwargs for a connection that sends nothing on connect, and the commands
+    (``AUTH``, ``SELECT``, ``CLIENT SETNAME``) it would have sent. Credentials that are
+    not a plain password (a ``credential_provider``, a username without a password) and a
+    custom ``redis_connect_func`` stay with redis-py.
+    """
+    kwargs = dict(kwargs)
+    password, username = kwargs.get("password"), kwargs.get("username")
+    if (
+        kwargs.get("credential_provider") is not None
+        or kwargs.get("redis_connect_func") is not None
+        or (username and not password)
+    ):
+        return kwargs, ()
+    commands: list[tuple[str, ...]] = []
+    if password:
+        commands.append(("AUTH", username, password) if username else ("AUTH", password))
+    db = int(kwargs.get("db") or 0)
+    if db:
+        commands.append(("SELECT", str(db)))
+    if kwargs.get("client_name"):
+        commands.append(("CLIENT", "SETNAME", kwargs["client_name"]))
+    kwargs.update(password=None, username=None, db=0, client_name=None)
+    return kwargs, tuple(commands)
 
 
 def _after_fork_in_child() -> None:
@@ -186,8 +220,11 @@ class Master:
 
         Only for plain TCP masters (redis-py's ``Connection``). Returns the socket to wait
         on (writable once connected; then ``SO_ERROR`` tells) and the redis-py connection
-        object to finish the connect on (``AUTH``, ``SELECT``) once it is, with
-        :meth:`Link.open`. The socket has the options redis-py would give it. Returns
+        object to finish the connect on once it is, with :meth:`Link.open`, which sends
+        ``AUTH``, ``SELECT`` and ``CLIENT SETNAME`` in the same write as its handshake,
+        where redis-py would wait for each in turn (so that masters which accept the
+        connection but do not answer cost one ``node_timeout`` in all, password or not).
+        The socket has the options redis-py would give it. Returns
         None for masters redis-py connects itself (TLS, unix sockets, Sentinel, other
         connection classes), and when the connect fails at once (a name that does not
         resolve, a refused address): redis-py then tries every address the name resolves
@@ -195,7 +232,9 @@ class Master:
         """
         if self._connection_class is not redis.connection.Connection:
             return None
-        conn = _Preconnected(**self._connection_kwargs)  # type: ignore[no-untyped-call]
+        kwargs, handshake = _pipelined_handshake(self._connection_kwargs)
+        conn = _Preconnected(**kwargs)  # type: ignore[no-untyped-call]
+        conn.handshake = handshake
         try:
             family, socktype, proto, _, address = socket.getaddrinfo(
                 conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM
@@ -372,7 +411,7 @@ class Link:
     order of our commands on that master, survives a slow reply.
     """
 
-    __slots__ = ("_conn", "_nonblocking", "master", "outstanding", "reader", "sock")
+    __slots__ = ("_conn", "_nonblocking", "_prefix", "master", "outstanding", "reader", "sock")
 
     def __init__(self, master: Master) -> None:
         self.master = master
@@ -384,6 +423,8 @@ class Link:
         self._nonblocking = False
         self.reader = RespReader()
         self.outstanding: deque[Slot] = deque()
+        #: names of the connect commands sent ahead of the handshake (see open)
+        self._prefix: tuple[str, ...] = ()
 
     @property
     def connected(self) -> bool:
@@ -429,7 +470,9 @@ class Link:
                 sock.setblocking(False)
             self.reader.clear()
             self.outstanding.clear()
-            commands: list[Sequence[str]] = [("INFO", "server")]
+            prefix: tuple[tuple[str, ...], ...] = getattr(conn, "handshake", ())
+            self._prefix = tuple(" ".join(c[:2]) if c[0] == "CLIENT" else c[0] for c in prefix)
+            commands: list[Sequence[str]] = [*prefix, ("INFO", "server")]
             commands += [("SCRIPT", "LOAD", s.source) for s in ALL_SCRIPTS]
             return self.send(pack(*commands), len(commands))
         except BaseException:
@@ -442,10 +485,14 @@ class Link:
         Closes the link and raises ``ConnectionError`` when a reply is an error.
         """
         try:
-            info = slot.replies[0]
+            # Connect commands first: a failed AUTH explains the errors that follow it.
+            for name, reply in zip(self._prefix, slot.replies, strict=False):
+                if isinstance(reply, ReplyError):
+                    raise ConnectionError(f"{name} failed: {reply}")
+            info = slot.replies[len(self._prefix)]
             if isinstance(info, ReplyError):
                 raise ConnectionError(f"INFO failed: {info}")
-            for reply in slot.replies[1:]:
+            for reply in slot.replies[len(self._prefix) + 1 :]:
                 if isinstance(reply, ReplyError):
                     raise ConnectionError(f"SCRIPT LOAD failed: {reply}")
         except BaseException:

@@ -110,6 +110,39 @@ def test_masters_that_drop_connects_cost_one_timeout_in_all(masters: Masters) ->
             outcome.release()  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("user", [None, "alice"], ids=["password", "acl-user"])
+def test_password_masters_that_do_not_answer_cost_one_timeout_in_all(
+    master_factory: Callable[..., RedisServer], user: str | None
+) -> None:
+    """AUTH goes out with the handshake, not one master after another.
+
+    redis-py sends AUTH on connect and waits for its reply: 3 stopped masters of 5 cost
+    3 x node_timeout (0.6 s) before the handshakes even started.
+    """
+    password = "auth-Secret-66"
+    servers = [master_factory(password=password) for _ in range(5)]
+    if user:
+        for server in servers:
+            with server.client() as conn:
+                conn.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all")
+    who = f"{user}:{password}" if user else f":{password}"
+    urls = [f"redis://{who}@127.0.0.1:{s.port}/2" for s in servers]
+    warm = make_redlock(urls, node_timeout=NODE_TIMEOUT)
+    lease = warm.acquire("auth-warm", 5)  # the pipelined AUTH and SELECT 2 took effect
+    with servers[0].client(db=2) as db2, servers[0].client(db=0) as db0:
+        assert db2.get(lock_name("auth-warm")) == lease.token.encode()
+        assert db0.get(lock_name("auth-warm")) is None
+    assert lease.release() is True
+    for server in servers[:3]:
+        server.pause()
+    fresh = make_redlock(urls, node_timeout=NODE_TIMEOUT)
+    elapsed, outcome = timed(lambda: fresh.acquire("auth", 5))
+    assert isinstance(outcome, QuorumUnavailable), outcome
+    assert len(outcome.errors) == 3
+    assert elapsed < NODE_TIMEOUT + SLACK
+    assert all(password not in text for text in (str(outcome), repr(outcome.errors)))
+
+
 @pytest.mark.parametrize("masters", [1, 3], indirect=True)
 def test_paused_master_bounds_every_call(masters: Masters) -> None:
     """No redis-py retries: each call on a stopped master costs one node_timeout at most."""
