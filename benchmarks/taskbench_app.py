@@ -1,7 +1,8 @@
 """The Celery app the task benchmark's worker runs (configured from environment variables).
 
 BENCH_BROKER: Redis broker URL; BENCH_MASTERS: comma-separated Redlock masters;
-BENCH_COUNTER: Redis URL where every body counts itself (``INCR bench:done``).
+BENCH_COUNTER: Redis URL where every body counts itself (``INCR bench:done``); a body
+that sleeps (a duplicate storm's) also records when it ran (``RPUSH bench:runs:<i>``).
 """
 
 from __future__ import annotations
@@ -32,42 +33,46 @@ app.conf.update(
 _counter = redis.Redis.from_url(os.environ["BENCH_COUNTER"])
 
 
-def _done(pause: float) -> None:
+def _done(pause: float, i: int) -> None:
     if pause:
+        # A storm body: record when it ran, per argument (one storm each), so the benchmark
+        # counts this storm's bodies and checks that none overlapped.
+        started = time.time()  # noqa: TID251 - compared across the worker's processes
         time.sleep(pause)
+        _counter.rpush(f"bench:runs:{i}", f"{started:.6f} {time.time():.6f}")  # noqa: TID251
     _counter.incr("bench:done")
 
 
 @app.task(name="bench.plain")
 def plain(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 @app.task(name="bench.redlock", base=SingletonTask, lock_ttl=30)
 def redlocked(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 @app.task(name="bench.redlock_active", base=SingletonTask, lock_ttl=30, dedupe="active")
 def redlocked_active(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 @app.task(
     name="bench.redlock_skip", base=SingletonTask, lock_ttl=30, on_contention="skip", dedupe=None
 )
 def redlocked_skip(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 @app.task(name="bench.singleton", base=Singleton, lock_expiry=300)
 def singleton(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 @app.task(name="bench.once", base=QueueOnce, once={"graceful": True})
 def once(i: int, pause: float = 0.0) -> None:
-    _done(pause)
+    _done(pause, i)
 
 
 TASKS: dict[str, Any] = {
