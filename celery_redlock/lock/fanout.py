@@ -10,7 +10,7 @@ Timeline of a round on 3 masters, one of them paused::
 
     t0  send A, B, C                       (three sendall, no wait between)
     t1  A answers   -> decided? no
-    t2  B answers   -> decided? yes (2 of 3) -> return; C's slot is abandoned
+    t2  B answers   -> decided? yes (2 of 3) -> return; C's slot is left behind
     t9  C resumes and answers; the next round on this link discards the reply
 
 Replies that come within microseconds (masters on this host or a fast LAN) are
@@ -142,10 +142,8 @@ def run_round(
     waited = False
     pending = slots
     if not wait:
-        for i, slot in slots.items():
-            slot.abandoned = True
-            result.late[i] = slot
-            result.not_waited.add(i)
+        result.late.update(slots)
+        result.not_waited.update(slots)
         pending = {}
     # Every master was sent its payload and nothing is known yet: the first look at
     # ``decided`` can wait for the first replies.
@@ -195,7 +193,6 @@ def run_round(
     if pending:
         timed_out = clock() >= deadline
         for i, slot in pending.items():
-            slot.abandoned = True
             result.late[i] = slot
             master = links[i].master
             if timed_out or master.down:

@@ -199,6 +199,13 @@ class Master:
         for name in (*_DROPPED_KWARGS, *_NO_SETINFO[1]):
             self._connection_kwargs.pop(name, None)
         self._connection_kwargs.update(_NO_SETINFO[0])
+        #: for start_connect: the connection kwargs without what redis-py would send on
+        #: connect, and those commands, to go out with the handshake instead
+        self._pipelined = (
+            _pipelined_handshake(self._connection_kwargs)
+            if connection_class is redis.connection.Connection
+            else None
+        )
         self.node_timeout = node_timeout
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
@@ -230,9 +237,9 @@ class Master:
         resolve, a refused address): redis-py then tries every address the name resolves
         to and words the error as usual.
         """
-        if self._connection_class is not redis.connection.Connection:
+        if self._pipelined is None:  # not a plain TCP master
             return None
-        kwargs, handshake = _pipelined_handshake(self._connection_kwargs)
+        kwargs, handshake = self._pipelined
         conn = _Preconnected(**kwargs)  # type: ignore[no-untyped-call]
         conn.handshake = handshake
         try:
@@ -390,12 +397,11 @@ def describe_masters(masters: Sequence[Master]) -> list[str]:
 class Slot:
     """The replies one round expects from one link, filled as they arrive."""
 
-    __slots__ = ("abandoned", "expected", "replies")
+    __slots__ = ("expected", "replies")
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
         self.replies: list[object] = []
-        self.abandoned = False
 
     @property
     def done(self) -> bool:
