@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from benchmarks.common import (
     table,
     times,
 )
+from celery_redlock.lock import scripts
 from celery_redlock.testing import RedisServer, start_masters, wait_for
 
 STORM = 1000
@@ -103,6 +105,56 @@ def _throughput(
     after = _cpu(processes)
     cpu = {name: (after[name] - before[name]) / n * 1e6 for name in processes}
     return rate, {"publisher": publisher / n * 1e6, **cpu}
+
+
+def _round_trip_floor(masters: Any, jobs: int = 3000) -> tuple[float, float]:
+    """CPU µs per job of SingletonTask's three rounds alone: (this process, the masters).
+
+    The same three scripts a job sends (the dedupe claim, the acquire that clears the
+    marker and stores metadata, the release) go to every master over raw sockets, one
+    round after another, each waiting for all replies, with every payload built before
+    the clock starts: what any implementation of these three rounds must pay here, with
+    no library code in it.
+    """
+    links = []
+    for master in masters:
+        link = socket.create_connection((master.host, master.port), timeout=10)
+        link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        links.append(link)
+    try:
+        for link in links:
+            for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
+                link.sendall(b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n%s" % _bulk(script.source))
+                link.recv(128)
+        payloads = []
+        for job in range(jobs):
+            lock, meta, marker = (f"floor:{{{job}}}{suffix}" for suffix in ("", ":meta", ":dedupe"))
+            task_id, token = f"{job:036d}", f"{job:032x}"
+            payloads += [
+                scripts.CLAIM.call(1, marker, task_id, 600_000),
+                scripts.ACQUIRE.call(
+                    3, lock, meta, marker, token, 30_000, task_id, "task_id", task_id
+                ),
+                scripts.RELEASE.call(3, lock, meta, marker, token, ""),
+            ]
+        before = sum(cpu_seconds(m.pid) for m in masters)
+        started = time.process_time()
+        for payload in payloads:
+            for link in links:
+                link.sendall(payload)
+            for link in links:
+                link.recv(128)  # one small reply: ":1\r\n"
+        client = time.process_time() - started
+        server = sum(cpu_seconds(m.pid) for m in masters) - before
+    finally:
+        for link in links:
+            link.close()
+    return client / jobs * 1e6, server / jobs * 1e6
+
+
+def _bulk(text: str) -> bytes:
+    data = text.encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
 def _storm(
@@ -200,14 +252,43 @@ def main(argv: list[str]) -> int:
         report.add("", *table(["contender", "tasks/s", "vs plain"], rows), "")
         columns = ["publisher", *processes]
         cpu_rows = []
+        totals: dict[str, float] = {}
         for name, per_round in cpus.items():
             cells = [median(c[column] for c in per_round) for column in columns]
-            cpu_rows.append([name, *(num(v) for v in cells), num(sum(cells))])
+            totals[name] = sum(cells)
+            cpu_rows.append([name, *(num(v) for v in cells), num(totals[name])])
         report.add(
             "CPU per job in µs (medians over rounds; /proc, 10 ms ticks). Everything runs on",
             "this machine's cores, so tasks/s follows the total. The counter Redis takes every",
             "body's INCR, and celery-singleton's and celery-once's locks.",
             *table(["contender", *columns, "total"], cpu_rows),
+            "",
+        )
+        progress("round trips alone")
+        client_floor, masters_floor = _round_trip_floor(masters)
+        floor = client_floor + masters_floor
+        plain_cpu = totals["plain task"]
+        budgets = [("0.9x plain", plain_cpu / 0.9, plain_cpu)] + [
+            (f"ahead of {anchor}", totals[anchor], totals[anchor])
+            for anchor in ("celery-singleton", "celery-once")
+        ]
+        report.add(
+            "The three rounds alone: the same three scripts on the same masters over raw",
+            "sockets, payloads built in advance, no library code. CPU per job in µs:",
+            *table(
+                ["client", "3 masters", "total"],
+                [[num(client_floor), num(masters_floor), num(floor)]],
+            ),
+            "What each goal leaves for everything SingletonTask adds to a plain job (CPU per",
+            "job, from the table above), and the best ratio the three rounds alone allow",
+            "(tasks/s following the total CPU per job):",
+            *table(
+                ["goal", "budget µs", "rounds alone µs", "best possible"],
+                [
+                    [goal, num(total - plain_cpu), num(floor), times(other / (plain_cpu + floor))]
+                    for goal, total, other in budgets
+                ],
+            ),
             "",
         )
 
