@@ -61,9 +61,15 @@ class Heartbeat:
         self._ending: dict[int, str] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        #: when the engine thread looks at the heap again (``inf``: only when notified);
+        #: an added lease due no earlier needs no wake-up (see :meth:`add`)
+        self._wake_at = float("inf")
+        #: the shortest renew interval added since the engine last went idle
+        self._shortest = float("inf")
         self._pid = process.pid()
-        #: ticks run and leases renewed, for tests and benchmarks
+        #: ticks run, leases renewed and times the thread woke up, for tests and benchmarks
         self.ticks = 0
+        self.wakeups = 0
         self.renewals = 0
         self.last_tick_seconds = 0.0
 
@@ -75,14 +81,17 @@ class Heartbeat:
         due = self._clock() + lease.renew_every
         with self._cond:
             self._active[id(lease)] = lease
-            earliest = not self._heap or due < self._heap[0][0]
             heapq.heappush(self._heap, (due, next(self._seq), lease))
+            self._shortest = min(self._shortest, lease.renew_every)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="redlock-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif earliest:
+            elif due < self._wake_at:
+                # Only a lease due before the engine's next look wakes it: a process
+                # running short tasks adds and releases a lease per task, and waking
+                # the thread for each cost two context switches per task.
                 self._cond.notify()
 
     def remove(self, lease: Lease) -> None:
@@ -119,13 +128,29 @@ class Heartbeat:
                 while heap and self._active.get(id(heap[0][2])) is not heap[0][2]:
                     heapq.heappop(heap)
                 if not heap:
-                    self._cond.wait()
+                    # Idle. Leases were added lately (and released before they came
+                    # up): look again after the shortest of their intervals, so the
+                    # next lease like them is due after that look and needs no
+                    # wake-up. Nothing was added: sleep until notified.
+                    shortest, self._shortest = self._shortest, float("inf")
+                    if shortest == float("inf"):
+                        self._wake_at = float("inf")
+                        self._cond.wait()
+                    else:
+                        self._wake_at = self._clock() + shortest
+                        self._cond.wait(shortest)
+                    self.wakeups += 1
                     continue
                 now = self._clock()
                 wait = heap[0][0] - now
                 if wait > 0:
+                    self._wake_at = heap[0][0]
                     self._cond.wait(wait)
+                    self.wakeups += 1
                     continue
+                # Ticking: the thread looks at the heap again when done, so no add
+                # needs to wake it.
+                self._wake_at = float("-inf")
                 due: list[Lease] = []
                 while heap:
                     when, _, lease = heap[0]

@@ -253,6 +253,32 @@ def test_no_thread_or_socket_leak_over_10000_cycles(masters: Masters) -> None:
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
+def test_short_leases_do_not_wake_the_engine_each(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker running short tasks adds and releases a lease per task, none of them due
+    before the engine's next look: the engine thread is not woken for each (it was, two
+    context switches per task). A lease due sooner than that look still wakes it."""
+    from celery_redlock.lock import heartbeat
+
+    beat = Heartbeat()
+    monkeypatch.setattr(heartbeat, "_engine", beat)
+    try:
+        rl = make_redlock(masters)
+        for i in range(200):
+            lease = rl.acquire(f"short-{i}", 30, auto_renew=True)
+            assert lease.release() is True
+        assert beat.wakeups <= 3, beat.wakeups
+        assert beat.renewals == 0
+        # Idle until a lease of 10 s intervals comes up: this one is due in 0.2 s.
+        soon = rl.acquire("soon", 3, auto_renew=True, renew_every=0.2)
+        wait_for(lambda: beat.renewals >= 3, timeout=5, message="renewals of 'soon'")
+        assert soon.release() is True
+    finally:
+        beat.stop()
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
 def test_one_engine_thread_for_1000_leases(masters: Masters) -> None:
     rl = make_redlock(masters)
     threads = threading.active_count()
