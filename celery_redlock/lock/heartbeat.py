@@ -168,6 +168,15 @@ class Heartbeat:
             if self._active.get(id(lease)) is lease:
                 heapq.heappush(self._heap, (due, next(self._seq), lease))
 
+    def _schedule_renewed(self, leases: Sequence[Lease], now: float) -> None:
+        """Schedule the next renewal of each of ``leases``, renewed at ``now``: one lock
+        acquisition for a whole tick's leases instead of one each."""
+        with self._cond:
+            heap, active, seq = self._heap, self._active, self._seq
+            for lease in leases:
+                if active.get(id(lease)) is lease:
+                    heapq.heappush(heap, (now + lease.renew_every, next(seq), lease))
+
     def _run(self) -> None:
         while True:
             due = self._take_due()
@@ -229,17 +238,19 @@ class Heartbeat:
                 logger.warning("renewal round failed: %s", exc)
                 outcomes = [f"renewal round failed: {exc}"] * len(renew)
             now = self._clock()
+            renewed: list[Lease] = []
             for lease, outcome in zip(renew, outcomes, strict=True):
                 if lease.state != HELD:
                     self.remove(lease)
                 elif outcome == "ok":
-                    self.renewals += 1
-                    self._schedule(lease, now + lease.renew_every)
+                    renewed.append(lease)
                 elif outcome == "gone":
                     self.remove(lease)
                     lease._lose("a quorum of masters no longer knows this holder")
                 else:
                     self._retry(lease, now, outcome)
+            self.renewals += len(renewed)
+            self._schedule_renewed(renewed, now)
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:
         remaining = lease.deadline - now
