@@ -249,8 +249,8 @@ class Heartbeat:
                     lease._lose("a quorum of masters no longer knows this holder")
                 else:
                     self._retry(lease, now, outcome)
-            self.renewals += len(renewed)
             self._schedule_renewed(renewed, now)
+            self.renewals += len(renewed)
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:
         remaining = lease.deadline - now
