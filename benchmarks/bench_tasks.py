@@ -37,6 +37,7 @@ from benchmarks.common import (
     times,
 )
 from celery_redlock.lock import scripts
+from celery_redlock.lock.resp import pack
 from celery_redlock.testing import RedisServer, start_masters, wait_for
 
 STORM = 1000
@@ -124,7 +125,7 @@ def _round_trip_floor(masters: Any, jobs: int = 3000) -> tuple[float, float]:
     try:
         for link in links:
             for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
-                link.sendall(b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n%s" % _bulk(script.source))
+                link.sendall(pack(("SCRIPT", "LOAD", script.source)))
                 link.recv(128)
         payloads = []
         for job in range(jobs):
@@ -150,11 +151,6 @@ def _round_trip_floor(masters: Any, jobs: int = 3000) -> tuple[float, float]:
         for link in links:
             link.close()
     return client / jobs * 1e6, server / jobs * 1e6
-
-
-def _bulk(text: str) -> bytes:
-    data = text.encode()
-    return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
 def _storm(

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import process
@@ -164,18 +164,16 @@ class Heartbeat:
             return None
 
     def _schedule(self, lease: Lease, due: float) -> None:
-        with self._cond:
-            if self._active.get(id(lease)) is lease:
-                heapq.heappush(self._heap, (due, next(self._seq), lease))
+        self._schedule_many(((due, lease),))
 
-    def _schedule_renewed(self, leases: Sequence[Lease], now: float) -> None:
-        """Schedule the next renewal of each of ``leases``, renewed at ``now``: one lock
-        acquisition for a whole tick's leases instead of one each."""
+    def _schedule_many(self, entries: Iterable[tuple[float, Lease]]) -> None:
+        """Put ``(due, lease)`` entries of leases still renewed on the heap, under one lock
+        acquisition (a tick schedules all the leases it renewed at once)."""
         with self._cond:
             heap, active, seq = self._heap, self._active, self._seq
-            for lease in leases:
+            for due, lease in entries:
                 if active.get(id(lease)) is lease:
-                    heapq.heappush(heap, (now + lease.renew_every, next(seq), lease))
+                    heapq.heappush(heap, (due, next(seq), lease))
 
     def _run(self) -> None:
         while True:
@@ -249,7 +247,7 @@ class Heartbeat:
                     lease._lose("a quorum of masters no longer knows this holder")
                 else:
                     self._retry(lease, now, outcome)
-            self._schedule_renewed(renewed, now)
+            self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
             self.renewals += len(renewed)
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:
