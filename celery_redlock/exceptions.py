@@ -88,7 +88,7 @@ class StaleFence(RedlockError):
         self.current = current
 
 
-class ImproperlyConfigured(RedlockError):
+class ImproperlyConfigured(RedlockError, ValueError):
     """A setting, task option or argument has a value we cannot use.
 
     The message names the setting and the values that are accepted.

@@ -147,7 +147,7 @@ def drop_held_duplicate(
         recent[key] = now
         return False
     try:
-        held = redlock_for(task.app).held_elsewhere(key)
+        held = redlock_for(task.app).locked(key)
     except Exception:  # noqa: BLE001 - masters unavailable: the run decides
         return False
     recent[key] = now

@@ -14,26 +14,36 @@ Fork safety (Celery prefork): the child starts with no engine and no leases of
 its own; ``os.register_at_fork`` drops the parent's engine state in the child,
 and the child's engine starts lazily on its first auto-renewed lease. The
 parent's engine thread keeps running in the parent, undisturbed.
+
+No argument can stop the engine: its waits are capped (``MAX_WAIT``; a
+``Condition.wait`` past ``threading.TIMEOUT_MAX`` raises), every step of its loop is
+guarded, and a thread that died anyway is started again (logged) by the next
+:meth:`Heartbeat.add` or :func:`engine` call.
+
+Renewals and a holder's own ``extend()`` never run at once for one lease: the
+engine only *tries* the lease's extension lock, and renews a busy lease a moment
+later (its holder is extending it right now).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import heapq
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import process
+from .callbacks import dispatch_lost
 from .lease import HELD
 
 if TYPE_CHECKING:
-    from .lease import Lease, LostCallback
+    from .lease import Lease
     from .redlock import Redlock
 
 __all__ = ["Heartbeat", "dispatch_lost", "engine", "forget"]
@@ -46,6 +56,10 @@ COALESCE = 0.25
 COMPACT_SLACK = 64
 #: Seconds interpreter exit may spend releasing leases still held.
 EXIT_BUDGET = 2.0
+#: The longest single wait of the engine thread (seconds): it looks again after that.
+MAX_WAIT = 60.0
+#: Seconds until the engine tries again a lease whose holder was extending it.
+BUSY_RETRY = 0.01
 
 
 class Heartbeat:
@@ -57,6 +71,8 @@ class Heartbeat:
         self._seq = itertools.count()
         self._cond = threading.Condition(threading.Lock())
         self._active: dict[int, Lease] = {}
+        #: per lease, the sequence number of its one live heap entry (others are stale)
+        self._entry: dict[int, int] = {}
         #: leases no longer renewed (max_hold reached), to mark lost at their deadline
         self._ending: dict[int, str] = {}
         self._thread: threading.Thread | None = None
@@ -67,10 +83,12 @@ class Heartbeat:
         #: the shortest renew interval added since the engine last went idle
         self._shortest = float("inf")
         self._pid = process.pid()
-        #: ticks run, leases renewed and times the thread woke up, for tests and benchmarks
+        #: ticks run, leases renewed, times the thread woke up and was restarted, for tests,
+        #: benchmarks and operators
         self.ticks = 0
         self.wakeups = 0
         self.renewals = 0
+        self.restarts = 0
         self.last_tick_seconds = 0.0
 
     def __len__(self) -> int:
@@ -81,18 +99,59 @@ class Heartbeat:
         due = self._clock() + lease.renew_every
         with self._cond:
             self._active[id(lease)] = lease
-            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            self._push(due, lease)
             self._shortest = min(self._shortest, lease.renew_every)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="redlock-heartbeat", daemon=True
-                )
-                self._thread.start()
+            if self._thread is None or not self._thread.is_alive():
+                self._start_thread()
             elif due < self._wake_at:
                 # Only a lease due before the engine's next look wakes it: a process
                 # running short tasks adds and releases a lease per task, and waking
                 # the thread for each cost two context switches per task.
                 self._cond.notify()
+
+    def reschedule(self, lease: Lease) -> None:
+        """Renew ``lease`` next ``lease.renew_every`` seconds from now (its TTL or interval
+        changed: a shorter one must not wait for a renewal planned for the longer)."""
+        due = self._clock() + lease.renew_every
+        with self._cond:
+            if self._active.get(id(lease)) is not lease:
+                return
+            self._push(due, lease)
+            self._shortest = min(self._shortest, lease.renew_every)
+            if due < self._wake_at:
+                self._cond.notify()
+
+    def alive(self) -> bool:
+        """True while the engine thread runs (it starts with the first lease)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def ensure_running(self) -> None:
+        """Start the engine thread again if it died while leases wait for it (logged)."""
+        with self._cond:
+            if self._active and not self._stopped and not self.alive():
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        # Under self._cond.
+        if self._thread is not None:
+            self.restarts += 1
+            logger.error(
+                "the renewal engine thread had stopped; started again (%d leases waiting)",
+                len(self._active),
+            )
+        self._thread = threading.Thread(target=self._run, name="redlock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _push(self, due: float, lease: Lease) -> None:
+        # Under self._cond: the lease's one live entry; any earlier one becomes stale.
+        seq = next(self._seq)
+        self._entry[id(lease)] = seq
+        heapq.heappush(self._heap, (due, seq, lease))
+
+    def _live(self, entry: tuple[float, int, Lease]) -> bool:
+        lease = entry[2]
+        return self._active.get(id(lease)) is lease and self._entry.get(id(lease)) == entry[1]
 
     def remove(self, lease: Lease) -> None:
         """Stop renewing ``lease``.
@@ -104,11 +163,13 @@ class Heartbeat:
         for a whole renew interval.
         """
         with self._cond:
-            self._active.pop(id(lease), None)
-            self._ending.pop(id(lease), None)
+            if self._active.get(id(lease)) is lease:
+                del self._active[id(lease)]
+                self._entry.pop(id(lease), None)
+                self._ending.pop(id(lease), None)
             heap, active = self._heap, self._active
             if len(heap) > 2 * len(active) + COMPACT_SLACK:
-                heap[:] = [entry for entry in heap if active.get(id(entry[2])) is entry[2]]
+                heap[:] = [entry for entry in heap if self._live(entry)]
                 heapq.heapify(heap)
 
     def leases(self) -> list[Lease]:
@@ -125,7 +186,7 @@ class Heartbeat:
         with self._cond:
             while not self._stopped:
                 heap = self._heap
-                while heap and self._active.get(id(heap[0][2])) is not heap[0][2]:
+                while heap and not self._live(heap[0]):
                     heapq.heappop(heap)
                 if not heap:
                     # Idle. Leases were added lately (and released before they came
@@ -135,8 +196,9 @@ class Heartbeat:
                     shortest, self._shortest = self._shortest, float("inf")
                     if shortest == float("inf"):
                         self._wake_at = float("inf")
-                        self._cond.wait()
+                        self._cond.wait(MAX_WAIT)
                     else:
+                        shortest = min(shortest, MAX_WAIT)
                         self._wake_at = self._clock() + shortest
                         self._cond.wait(shortest)
                     self.wakeups += 1
@@ -144,7 +206,8 @@ class Heartbeat:
                 now = self._clock()
                 wait = heap[0][0] - now
                 if wait > 0:
-                    self._wake_at = heap[0][0]
+                    wait = min(wait, MAX_WAIT)
+                    self._wake_at = now + wait
                     self._cond.wait(wait)
                     self.wakeups += 1
                     continue
@@ -156,8 +219,9 @@ class Heartbeat:
                     when, _, lease = heap[0]
                     if when > now + COALESCE * lease.renew_every:
                         break
-                    heapq.heappop(heap)
-                    if self._active.get(id(lease)) is lease:
+                    entry = heapq.heappop(heap)
+                    if self._live(entry):
+                        del self._entry[id(lease)]
                         due.append(lease)
                 if due:
                     return due
@@ -170,23 +234,34 @@ class Heartbeat:
         """Put ``(due, lease)`` entries of leases still renewed on the heap, under one lock
         acquisition (a tick schedules all the leases it renewed at once)."""
         with self._cond:
-            heap, active, seq = self._heap, self._active, self._seq
+            active = self._active
             for due, lease in entries:
                 if active.get(id(lease)) is lease:
-                    heapq.heappush(heap, (due, next(seq), lease))
+                    self._push(due, lease)
 
     def _run(self) -> None:
         while True:
-            due = self._take_due()
+            try:
+                due = self._take_due()
+            except Exception:
+                # Nothing in the wait should raise (its waits are capped); if it does, the
+                # engine must live on: look again shortly.
+                logger.exception("renewal engine: waiting for due leases failed; going on")
+                due = []
+                with self._cond:
+                    self._cond.wait(0.05)
             if due is None:
                 return
+            if not due:
+                continue
             started = self._clock()
             try:
                 self._tick(due)
             except Exception:
                 logger.exception("renewal tick failed; retrying its leases shortly")
-                for lease in due:
-                    self._schedule(lease, self._clock() + 0.05)
+                with contextlib.suppress(Exception):
+                    for lease in due:
+                        self._schedule(lease, self._clock() + 0.05)
             self.ticks += 1
             self.last_tick_seconds = self._clock() - started
 
@@ -226,6 +301,10 @@ class Heartbeat:
                         # max_hold reached: stop renewing; the lease expires on its own.
                         self._expire_at_deadline(lease, "max_hold reached")
                         continue
+                if not lease._ext_lock.acquire(blocking=False):
+                    # Its holder is extending it right now: renew it a moment later.
+                    self._schedule(lease, now + BUSY_RETRY)
+                    continue
                 renew.append(lease)
                 ttls.append(ttl)
             if not renew:
@@ -235,6 +314,9 @@ class Heartbeat:
             except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
                 logger.warning("renewal round failed: %s", exc)
                 outcomes = [f"renewal round failed: {exc}"] * len(renew)
+            finally:
+                for lease in renew:
+                    lease._ext_lock.release()
             now = self._clock()
             renewed: list[Lease] = []
             for lease, outcome in zip(renew, outcomes, strict=True):
@@ -280,71 +362,56 @@ class Heartbeat:
                 logger.debug("exit: could not release %r", lease.key, exc_info=True)
 
 
-class _Dispatcher:
-    """Runs lost-lease callbacks on their own thread."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Lease, list[LostCallback]]] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name="redlock-lost-callbacks", daemon=True
-        )
-        self._thread.start()
-
-    def put(self, lease: Lease, callbacks: list[LostCallback]) -> None:
-        self._queue.put((lease, callbacks))
-
-    def _run(self) -> None:
-        while True:
-            lease, callbacks = self._queue.get()
-            for callback in callbacks:
-                try:
-                    callback(lease)
-                except Exception:
-                    logger.exception("on_lost callback %r failed for %r", callback, lease.key)
-
-
 _engine: Heartbeat | None = None
-_dispatcher: _Dispatcher | None = None
+#: engines of clients made with their own ``clock=`` (tests): a lease's deadline is a
+#: time on its client's clock, so only an engine on that clock can tell when it is due
+_clocked: dict[Callable[[], float], Heartbeat] = {}
 _lock = threading.Lock()
 
 
-def engine() -> Heartbeat:
-    """This process's renewal engine, created on first use."""
+def engine(clock: Callable[[], float] = time.monotonic) -> Heartbeat:
+    """This process's renewal engine (for ``clock``), created on first use.
+
+    Also starts its thread again when it died with leases waiting (see the module).
+    """
     global _engine
+    if clock is not time.monotonic:
+        with _lock:
+            found = _clocked.get(clock)
+            if found is None or found._pid != process.pid():
+                found = _clocked[clock] = Heartbeat(clock)
+        found.ensure_running()
+        return found
     if _engine is None or _engine._pid != process.pid():
         with _lock:
             if _engine is None or _engine._pid != process.pid():
                 _engine = Heartbeat()
+    if _engine._active and not _engine.alive():
+        _engine.ensure_running()
     return _engine
 
 
 def forget(lease: Lease) -> None:
     """Stop renewing ``lease`` (called by release before it deletes the keys)."""
-    if _engine is not None and lease.auto_renew:
-        _engine.remove(lease)
-
-
-def dispatch_lost(lease: Lease, callbacks: list[LostCallback]) -> None:
-    global _dispatcher
-    if not callbacks:
+    if not lease.auto_renew:
         return
-    if _dispatcher is None:
-        with _lock:
-            if _dispatcher is None:
-                _dispatcher = _Dispatcher()
-    _dispatcher.put(lease, callbacks)
+    clock = lease.redlock._clock
+    found = _engine if clock is time.monotonic else _clocked.get(clock)
+    if found is not None:
+        found.remove(lease)
 
 
 def _after_fork_in_child() -> None:
-    global _engine, _dispatcher, _lock
+    global _engine, _lock
     _engine = None
-    _dispatcher = None
+    _clocked.clear()
     _lock = threading.Lock()
 
 
 def _at_exit() -> None:
-    if _engine is not None and _engine._pid == process.pid():
-        _engine.release_all()
+    for found in (_engine, *_clocked.values()):
+        if found is not None and found._pid == process.pid():
+            found.release_all()
 
 
 if hasattr(os, "register_at_fork"):

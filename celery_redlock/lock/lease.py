@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..exceptions import LockLost
 from . import process
+from .callbacks import LostCallback, dispatch_lost
 
 if TYPE_CHECKING:
     from .fanout import Lane
@@ -22,16 +22,27 @@ logger = logging.getLogger("celery_redlock.lock")
 
 HELD, RELEASED, LOST = "held", "released", "lost"
 
-LostCallback = Callable[["Lease"], Any]
-
 
 class Lease:
     """A held Redlock on one key, valid until a monotonic deadline.
 
     ``held`` and ``remaining()`` are answered locally: the deadline is computed
-    when a quorum confirmed the lock (``ttl - elapsed - drift``) and moved only by
-    a successful extension. A lease belongs to the process that acquired it: in a
-    forked child it is never held and releasing it there does nothing.
+    when a quorum confirmed the lock (``ttl - elapsed - drift``). A lease belongs to
+    the process that acquired it: in a forked child it is never held and releasing
+    it there does nothing.
+
+    The deadline, the state and the extension count have one writer: the methods
+    ``_begin_extension``, ``_confirm_extension``, ``_lose`` and ``release`` of this
+    object, each under ``_mutex``. The rule that keeps the deadline safe, whatever the
+    order in which extensions reach the masters::
+
+        send of extension k (ttl t, sent at s): deadline = min(deadline, s + t - drift)
+        quorum confirms k, no later one sent:   deadline = s + t - drift   (even if shorter)
+        an extension that fails:                 the lowered deadline stays
+
+    and on the masters an extension carries ``k``: a master that already applied a later
+    one refuses it (a delayed ``PEXPIRE`` can never shorten the key behind the holder's
+    back, nor lengthen it past what the holder believes).
     """
 
     __slots__ = (
@@ -39,11 +50,14 @@ class Lease:
         "_callbacks",
         "_deadline",
         "_eager_fence",
+        "_ext_lock",
+        "_ext_sent",
         "_fence",
         "_fence_lock",
         "_lane",
         "_mutex",
         "_pid",
+        "_renew_every_default",
         "_renew_fragment",
         "_state",
         "acquired_at",
@@ -71,6 +85,7 @@ class Lease:
         renew_every: float,
         max_hold: float | None,
         auto_renew: bool,
+        renew_every_default: bool = True,
     ) -> None:
         self.redlock = redlock
         self.key = key
@@ -87,6 +102,13 @@ class Lease:
         #: why the lease was lost, once it is
         self.lost_reason: str | None = None
         self._deadline = deadline
+        #: the number of the last extension sent (0: none); see the class docstring
+        self._ext_sent = 0
+        #: held across one extension round, so that extensions of one lease are sent and
+        #: confirmed one at a time (the renewal engine only tries it: it never waits)
+        self._ext_lock = threading.Lock()
+        #: renew_every was not given: it follows the TTL (ttl / 3) when extend() changes it
+        self._renew_every_default = renew_every_default
         self._lane = lane
         self._pid = process.pid()
         self._state = HELD
@@ -152,11 +174,15 @@ class Lease:
         """The fencing token: strictly larger than any earlier holder's of this key.
 
         Committed on a quorum on first read, while the lock is held (one round
-        trip; later reads are free). Raises :class:`LockLost` when the lease is
-        no longer held and :class:`QuorumUnavailable` when too few masters answer.
+        trip; later reads are answered locally). Raises :class:`LockLost` when the
+        lease is no longer held (released, lost, expired, or in a forked child), also
+        after an earlier read succeeded, and :class:`QuorumUnavailable` when too few
+        masters answer.
         """
-        if self._fence is not None:
-            return self._fence
+        fence = self._fence
+        if fence is not None:
+            self.ensure_held()
+            return fence
         if self._fence_lock is None:
             with self._mutex:
                 if self._fence_lock is None:
@@ -168,14 +194,29 @@ class Lease:
             return self._fence
 
     def extend(self, ttl: float | None = None) -> None:
-        """Reset the lock's TTL on the masters to ``ttl`` (default: the lease's TTL).
+        """Set the lock's remaining time on the masters to ``ttl`` seconds (default: the
+        lease's TTL), shorter or longer than what is left.
 
-        Raises :class:`LockLost` when the lease is not held or a quorum no longer
-        knows it, :class:`QuorumUnavailable` when too few masters answer (the
-        lease keeps its current deadline then).
+        After a confirmed extension the lease's deadline is exactly that extension's
+        validity, measured from before its send. ``ttl`` becomes the lease's TTL (what
+        the renewal engine renews to), and a ``renew_every`` that was not given follows
+        it (``ttl / 3``). Raises :class:`LockLost` when the lease is not held or a quorum
+        no longer knows it, :class:`QuorumUnavailable` when too few masters answer (the
+        deadline is then the earlier of the old one and the new ``ttl``'s: the masters
+        that did apply it may expire the key that soon).
         """
-        self.ensure_held()
         self.redlock._extend(self, self.ttl if ttl is None else ttl)
+
+    def owned(self) -> bool:
+        """Ask the masters whether this lease's token still holds the key on a quorum.
+
+        redis-py's ``Lock.owned()``: one read on every master, not the local clock (see
+        :attr:`held`). False without asking once the lease was released, or in a forked
+        child. Raises :class:`QuorumUnavailable` when too few masters answer to tell.
+        """
+        if self._pid != process.pid() or self._state == RELEASED:
+            return False
+        return self.redlock._owned(self)
 
     def release(self, *, wait: bool = True) -> bool:
         """Delete the lock on every master where it is still ours.
@@ -196,7 +237,7 @@ class Lease:
             if self._state == RELEASED:
                 return False
             self._state = RELEASED
-        return self.redlock._release(self, wait=wait)
+        return self.redlock._release(self, wait=wait)[0]
 
     def on_lost(self, callback: LostCallback) -> None:
         """Call ``callback(lease)`` once if the lease is lost while held.
@@ -209,18 +250,40 @@ class Lease:
             if self._state != LOST:
                 self._callbacks.append(callback)
                 return
-        from .heartbeat import dispatch_lost
-
         dispatch_lost(self, [callback])
 
-    def _set_deadline(self, deadline: float, ttl: float | None = None) -> bool:
-        """Move the deadline after a confirmed extension; False if no longer held."""
+    def _begin_extension(self, validity_end: float) -> int:
+        """Number the extension about to be sent and lower the deadline to its end.
+
+        ``validity_end`` is what the extension gives if confirmed (``sent + ttl -
+        drift``). Until it is, the masters that apply it may expire the key that soon, so
+        the deadline becomes the earlier of the two. Returns the extension's number, 0
+        when the lease is no longer held (nothing to send).
+        """
         with self._mutex:
             if self._state != HELD:
+                return 0
+            self._ext_sent += 1
+            if validity_end < self._deadline:
+                self._deadline = validity_end
+            return self._ext_sent
+
+    def _confirm_extension(self, number: int, validity_end: float, ttl: float | None) -> bool:
+        """A quorum applied extension ``number``: the deadline becomes ``validity_end``.
+
+        Only for the last extension sent: an earlier one's late confirmation never
+        undoes a later one (whose send already lowered the deadline). ``ttl`` (a user's
+        ``extend``) becomes the lease's TTL; the renewal engine's own renewals pass None.
+        Returns False when the lease is no longer held or a later extension was sent.
+        """
+        with self._mutex:
+            if self._state != HELD or number != self._ext_sent:
                 return False
-            self._deadline = max(self._deadline, deadline)
-            if ttl is not None:
+            self._deadline = validity_end
+            if ttl is not None and ttl != self.ttl:
                 self.ttl = ttl
+                if self._renew_every_default or self.renew_every >= ttl:
+                    self.renew_every = ttl / 3
             return True
 
     def _lose(self, reason: str) -> bool:
@@ -232,8 +295,6 @@ class Lease:
             self.lost_reason = reason
             callbacks, self._callbacks = self._callbacks, []
         logger.warning("lost the lock on %r: %s", self.key, reason)
-        from .heartbeat import dispatch_lost
-
         dispatch_lost(self, callbacks)
         return True
 
@@ -246,4 +307,35 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        """Release; raise :class:`LockLost` if the lease was lost inside the block.
+
+        Lost means: no longer held when the block ends (the renewal engine lost it, its
+        validity ran out) or a quorum of masters answering the release that the lock was
+        no longer this lease's (redis-py raises ``LockNotOwnedError`` there). A block
+        that released the lease itself ends quietly. When the block is already raising,
+        the loss is logged (and noted on that exception) but never replaces it.
+        """
+        if self._state == RELEASED or self._pid != process.pid():
+            return
+        was_held = self.held
+        reason = self.lost_reason or "its validity ran out"
+        with self._mutex:
+            if self._state == RELEASED:
+                return
+            self._state = RELEASED
+        _, refused = self.redlock._release(self)
+        if was_held and not refused:
+            return
+        if was_held:
+            reason = "a quorum of masters no longer held it at release"
+        lost = LockLost(
+            f"lease on {self.key!r} was lost inside the block: {reason}",
+            self.key,
+            self.redlock.master_names,
+        )
+        if exc is None:
+            raise lost
+        logger.warning("%s (not raised: the block is raising %r)", lost, exc)
+        add_note = getattr(exc, "add_note", None)
+        if add_note is not None:  # Python 3.11+
+            add_note(f"celery_redlock: {lost}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
-from . import heartbeat, process, scripts
+from . import heartbeat, limits, process, scripts
 from . import master as master_mod
 from .fanout import Lane, RoundResult, run_round
 from .lease import Lease
@@ -41,13 +41,8 @@ DEFAULT_EAGER_FENCE_KEYS = 4096
 _instances: weakref.WeakSet[Redlock] = weakref.WeakSet()
 
 
-def _number(name: str, value: object, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds (int or float), got {value!r}")
-    if value < minimum or (value == minimum and not allow_zero):
-        bound = ">=" if allow_zero else ">"
-        raise ValueError(f"{name} must be {bound} {minimum}, got {value!r}")
-    return float(value)
+#: Suffixes of the keys a lock keeps beside itself; ``claim`` refuses them.
+RESERVED_SUFFIXES = frozenset({"meta", "fence"})
 
 
 class Redlock:
@@ -100,12 +95,23 @@ class Redlock:
             raise ImproperlyConfigured("masters: give at least one Redis master")
         validate_prefix(key_prefix)
         try:
-            self.node_timeout = _number("node_timeout", node_timeout)
-            drift = _number("clock_drift_factor", clock_drift_factor, allow_zero=True)
-            self.fence_ttl = _number("fence_ttl", fence_ttl)
+            self.node_timeout = limits.seconds(
+                "node_timeout", node_timeout, limits.MIN_NODE_TIMEOUT, limits.MAX_NODE_TIMEOUT
+            )
+            drift = limits.seconds(
+                "clock_drift_factor",
+                clock_drift_factor,
+                0.0,
+                limits.MAX_DRIFT,
+                high_open=True,
+                unit="(a share of the TTL)",
+            )
+            self.fence_ttl = limits.seconds("fence_ttl", fence_ttl, 1.0, limits.MAX_FENCE_TTL)
             if restart_quarantine is not None:
-                _number("restart_quarantine", restart_quarantine, allow_zero=True)
-            spin_wait = _number("spin_wait", spin_wait, allow_zero=True)
+                restart_quarantine = limits.seconds(
+                    "restart_quarantine", restart_quarantine, 0.0, limits.MAX_QUARANTINE
+                )
+            spin_wait = limits.seconds("spin_wait", spin_wait, 0.0, limits.MAX_SPIN_WAIT)
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(str(exc)) from None
         if (
@@ -126,10 +132,6 @@ class Redlock:
             raise ImproperlyConfigured(
                 f"spin_wait must be shorter than node_timeout ({self.node_timeout}s), "
                 f"got {spin_wait!r}"
-            )
-        if drift >= 0.5:
-            raise ImproperlyConfigured(
-                f"clock_drift_factor must be in [0, 0.5), got {clock_drift_factor!r}"
             )
         self.clock_drift_factor = drift
         self.key_prefix = key_prefix
@@ -191,35 +193,44 @@ class Redlock:
         ``clear_companion=(suffix, value)`` deletes ``<prefix>:{key}:<suffix>`` if it
         holds ``value``, in the same atomic step as a successful acquire (the task
         layer clears its enqueue-dedupe marker this way, without a round trip).
+
+        Ranges (``ValueError`` naming the argument otherwise; NaN and infinities are
+        refused everywhere): ``ttl`` in (``node_timeout``, 86400]; ``blocking_timeout``
+        None or in [0, 7 days]; ``max_hold`` None or in (0, 30 days]; ``renew_every`` in
+        [0.01, ``ttl``).
         """
         if not isinstance(key, str) or not key:
             raise TypeError(f"key must be a non-empty str, got {key!r}")
-        ttl = _number("ttl", ttl)
-        if ttl <= self.node_timeout:
-            raise ValueError(
-                f"ttl ({ttl}s) must be longer than node_timeout ({self.node_timeout}s)"
-            )
+        ttl = self._check_ttl("ttl", ttl)
         if blocking_timeout is not None:
-            blocking_timeout = _number("blocking_timeout", blocking_timeout, allow_zero=True)
+            blocking_timeout = limits.seconds(
+                "blocking_timeout", blocking_timeout, 0.0, limits.MAX_BLOCKING_TIMEOUT
+            )
         if max_hold is not None:
-            max_hold = _number("max_hold", max_hold)
+            max_hold = limits.seconds("max_hold", max_hold, 0.0, limits.MAX_HOLD, low_open=True)
+        renew_every_default = renew_every is None
         if renew_every is None:
-            renew_every = ttl / 3
+            renew_every = max(ttl / 3, limits.MIN_RENEW_EVERY)
         else:
-            renew_every = _number("renew_every", renew_every)
-            if renew_every >= ttl:
-                raise ValueError(f"renew_every ({renew_every}s) must be shorter than ttl ({ttl}s)")
+            renew_every = limits.seconds(
+                "renew_every", renew_every, limits.MIN_RENEW_EVERY, ttl, high_open=True
+            )
         companion = ("dedupe", "") if clear_companion is None else clear_companion
         meta_args: list[str] = [companion[0], companion[1]]
         for field, value in (meta or {}).items():
+            if str(field) == scripts.EXTENSION_FIELD:
+                raise ValueError(f"meta: the field {field!r} is reserved for the lock itself")
             meta_args += [str(field), str(value)]
-        self._max_ttl = max(self._max_ttl, ttl)
-        token = process.token_hex()
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         attempt = 0
         while True:
             try:
-                lease = self._try_acquire(key, token, ttl, meta_args, renew_every, max_hold)
+                # A fresh token per attempt: the undo of a failed attempt (queued on its
+                # lane's connections, which may deliver it late) can then only ever delete
+                # that attempt's own key, never the one a later attempt won.
+                lease = self._try_acquire(
+                    key, process.token_hex(), ttl, meta_args, renew_every, max_hold
+                )
                 break
             except (LockContended, QuorumUnavailable):
                 if blocking_timeout == 0:
@@ -232,10 +243,29 @@ class Redlock:
                         raise
                     pause = min(pause, left)
                 time.sleep(pause)
+        lease._renew_every_default = renew_every_default
+        self._granted(ttl)
         if auto_renew:
             lease.auto_renew = True
-            heartbeat.engine().add(lease)
+            self._engine().add(lease)
         return lease
+
+    def _check_ttl(self, name: str, ttl: object) -> float:
+        value = limits.seconds(name, ttl, limits.MIN_TTL, limits.MAX_TTL)
+        if value <= self.node_timeout:
+            raise ValueError(
+                f"{name} ({value:g}s) must be longer than node_timeout ({self.node_timeout:g}s)"
+            )
+        return value
+
+    def _granted(self, ttl: float) -> None:
+        """Note a TTL the masters granted: a restarted master's quarantine follows the longest."""
+        if ttl > self._max_ttl:
+            self._max_ttl = ttl
+
+    def _engine(self) -> heartbeat.Heartbeat:
+        """The renewal engine for this client's leases: the process's, on this client's clock."""
+        return heartbeat.engine(self._clock)
 
     @contextlib.contextmanager
     def lock(
@@ -249,7 +279,11 @@ class Redlock:
         renew_every: float | None = None,
         meta: Mapping[str, str] | None = None,
     ) -> Iterator[Lease]:
-        """:meth:`acquire` as a context manager that releases on exit."""
+        """:meth:`acquire` as a context manager that releases on exit.
+
+        Leaving the block raises :class:`LockLost` when the lease was lost inside it
+        (see :meth:`Lease.__exit__`), as redis-py raises ``LockNotOwnedError``.
+        """
         lease = self.acquire(
             key,
             ttl,
@@ -259,10 +293,8 @@ class Redlock:
             renew_every=renew_every,
             meta=meta,
         )
-        try:
+        with lease:  # Lease.__exit__ raises LockLost when it was lost inside the block
             yield lease
-        finally:
-            lease.release()
 
     def close(self) -> None:
         """Close every connection (leases still held simply expire)."""
@@ -309,10 +341,11 @@ class Redlock:
         value reaches a quorum (several claimants raced), our partial claim is
         undone and the claim tried again a few times. Raises
         :class:`QuorumUnavailable` when too few masters answer and
-        :class:`LockContended` when racing claims never settle.
+        :class:`LockContended` when racing claims never settle. ``suffix`` may not
+        be one the lock itself uses (``meta``, ``fence``); ``ttl`` is in (0, 400 days].
         """
-        name = redis_key(self.key_prefix, key, suffix)
-        ttl = _number("ttl", ttl)
+        name = self._claim_name(key, suffix)
+        ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
         payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
         undo = (scripts.UNCLAIM.call(1, name, value), 1)
         ours = value.encode()
@@ -369,52 +402,75 @@ class Redlock:
             time.sleep(full_jitter(attempt, RETRY_BASE, RETRY_CAP))
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
 
-    def held_elsewhere(self, key: str) -> bool:
-        """True when ``key`` is locked on a quorum right now, so an acquire would fail.
+    def locked(self, key: str) -> bool:
+        """True when anyone (this client included) holds ``key`` on a quorum right now.
 
-        One read (``GET`` on every master, decided as soon as the answer is certain)
-        for callers that can drop work early instead of trying to take the lock.
-        Raises :class:`QuorumUnavailable` when too few masters answer.
+        redis-py's ``Lock.locked()``: one read (``GET`` on every master, decided as soon
+        as the answer is certain), for callers that can drop work early instead of trying
+        to take the lock. Raises :class:`QuorumUnavailable` when too few masters answer.
         """
+        return self._read_vote(key, lambda value: value is not None)
+
+    def held_elsewhere(self, key: str) -> bool:
+        """Deprecated alias of :meth:`locked` (it was also True for the caller's own lock)."""
+        return self.locked(key)
+
+    def _owned(self, lease: Lease) -> bool:
+        token = lease.token.encode()
+        return self._read_vote(lease.key, lambda value: value == token)
+
+    def _read_vote(self, key: str, yes: Callable[[object], bool]) -> bool:
+        """Read the lock on every master: True when ``yes(value)`` holds on a quorum,
+        False when it fails on more than ``n - quorum``; masters kept out after a
+        restart are not counted. Raises :class:`QuorumUnavailable` otherwise."""
         lock_key = self._keys(key)[0]
         payload = (pack(("GET", lock_key)), 1)
         n, q = len(self.masters), self.quorum
+        quarantined = self._quarantined(self._clock())
 
         def count(r: RoundResult) -> tuple[int, int]:
-            present = absent = 0
-            for x in r.replies:
-                if x is not None:
-                    if x[0] is None:
-                        absent += 1
+            ayes = noes = 0
+            for i, x in enumerate(r.replies):
+                if x is not None and i not in quarantined:
+                    if yes(x[0]):
+                        ayes += 1
                     else:
-                        present += 1
-            return present, absent
+                        noes += 1
+            return ayes, noes
 
         def decided(r: RoundResult) -> bool:
-            present, absent = count(r)
-            return present >= q or absent > n - q
+            ayes, noes = count(r)
+            return ayes >= q or noes > n - q
 
         with self._lane() as lane:
             result = self._round(lane, [payload] * n, decided)
-        present, absent = count(result)
-        if present >= q or absent > n - q:
-            return present >= q
+        ayes, noes = count(result)
+        if ayes >= q or noes > n - q:
+            return ayes >= q
         raise QuorumUnavailable(
-            f"only {present + absent} of {n} masters answered the read of {key!r}, {q} needed",
+            f"only {ayes + noes} of {n} masters answered the read of {key!r}, {q} needed",
             key,
             self.master_names,
-            self._errors(result),
+            self._errors(result, dict.fromkeys(quarantined, "kept out after a restart")),
         )
 
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
         """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""
-        name = redis_key(self.key_prefix, key, suffix)
+        name = self._claim_name(key, suffix)
         payload = (scripts.UNCLAIM.call(1, name, value), 1)
         with self._lane() as lane:
             result = self._round(lane, [payload] * len(self.masters))
         return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
 
     # -- keys ------------------------------------------------------------------
+
+    def _claim_name(self, key: str, suffix: str) -> str:
+        if suffix in RESERVED_SUFFIXES:
+            raise ValueError(
+                f"suffix {suffix!r} is the lock's own ({', '.join(sorted(RESERVED_SUFFIXES))}"
+                " are reserved): a claim there would overwrite the lock's metadata or fence"
+            )
+        return redis_key(self.key_prefix, key, suffix)
 
     def lock_key(self, key: str) -> str:
         """The Redis key of the lock on ``key``."""
@@ -654,7 +710,11 @@ class Redlock:
             self._errors(result, extra),
         )
 
-    def _release(self, lease: Lease, *, wait: bool = True) -> bool:
+    def _release(self, lease: Lease, *, wait: bool = True) -> tuple[bool, bool]:
+        """Delete the lease's lock where it is still ours.
+
+        Returns (a quorum confirmed the deletion, a quorum answered it was not ours).
+        """
         heartbeat.forget(lease)
         lock_key, meta_key, _ = self._keys(lease.key)
         suffix, value = lease.clear_on_release or ("dedupe", "")
@@ -663,18 +723,25 @@ class Redlock:
             scripts.RELEASE.call(3, lock_key, meta_key, companion_key, lease.token, value),
             1,
         )
-        q = self.quorum
+        n, q = len(self.masters), self.quorum
+
+        def count(r: RoundResult) -> tuple[int, int]:
+            deleted = refused = 0
+            for x in r.replies:
+                if x is not None:
+                    if x[0] == 1:
+                        deleted += 1
+                    else:
+                        refused += 1
+            return deleted, refused
 
         def decided(r: RoundResult) -> bool:
-            deleted = 0
-            for x in r.replies:
-                if x is not None and x[0] == 1:
-                    deleted += 1
-            return deleted >= q
+            deleted, refused = count(r)
+            return deleted >= q or refused > n - q
 
         with self._lane(lease._lane) as lane:
-            result = self._round(lane, [payload] * len(self.masters), decided, wait=wait)
-        deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
+            result = self._round(lane, [payload] * n, decided, wait=wait)
+        deleted, refused = count(result)
         if result.errors:
             logger.warning(
                 "released %r on %d of %d masters; not reached: %s",
@@ -683,50 +750,62 @@ class Redlock:
                 len(self.masters),
                 self._errors(result),
             )
-        return deleted >= q
+        return deleted >= q, refused > n - q
 
     def _extend(self, lease: Lease, ttl: float) -> None:
-        ttl = _number("ttl", ttl)
-        self._max_ttl = max(self._max_ttl, ttl)
+        ttl = self._check_ttl("ttl", ttl)
         lock_key, meta_key, _ = self._keys(lease.key)
         ttl_ms = max(1, int(ttl * 1000))
-        payload = (
-            scripts.EXTEND.call(2, lock_key, meta_key, lease.token, ttl_ms),
-            1,
-        )
         n, q = len(self.masters), self.quorum
-        with self._lane() as lane:
+        with lease._ext_lock:  # one extension of a lease at a time (see Lease)
             start = self._clock()
-            quarantined = self._quarantined(start)
-
-            def decided(r: RoundResult) -> bool:
-                ok = sum(
-                    1 for i, x in enumerate(r.replies) if x and x[0] == 1 and i not in quarantined
-                )
-                gone = sum(1 for x in r.replies if x is not None and x[0] != 1)
-                return ok >= q or gone > n - q
-
-            result = self._round(lane, [payload] * n, decided)
-            quarantined |= self._quarantined(self._clock())
-        ok = sum(
-            1
-            for i, x in enumerate(result.replies)
-            if x is not None and x[0] == 1 and i not in quarantined
-        )
-        gone = sum(1 for x in result.replies if x is not None and x[0] != 1)
-        confirmed = ok >= q and lease._set_deadline(start + ttl - self._drift(ttl), ttl)
-        if confirmed and self._clock() < lease.deadline:
-            return
-        if gone > n - q:
-            lease._lose(f"{gone} of {n} masters no longer know this holder")
-            raise LockLost(
-                f"lease on {lease.key!r} is lost: {gone} of {n} masters no longer know it",
-                lease.key,
-                self.master_names,
+            validity_end = start + ttl - self._drift(ttl)
+            number = lease._begin_extension(validity_end)
+            if not number:
+                lease.ensure_held()  # raises: released or lost
+            payload = (
+                scripts.EXTEND.call(2, lock_key, meta_key, lease.token, ttl_ms, number),
+                1,
             )
+            with self._lane() as lane:
+                quarantined = self._quarantined(start)
+
+                def decided(r: RoundResult) -> bool:
+                    ok = gone = 0
+                    for i, x in enumerate(r.replies):
+                        if x is not None:
+                            if x[0] == 0:
+                                gone += 1
+                            elif x[0] == 1 and i not in quarantined:
+                                ok += 1
+                    return ok >= q or gone > n - q
+
+                result = self._round(lane, [payload] * n, decided)
+                quarantined |= self._quarantined(self._clock())
+            ok = gone = 0
+            for i, x in enumerate(result.replies):
+                if x is not None:
+                    if x[0] == 0:
+                        gone += 1
+                    elif x[0] == 1 and i not in quarantined:
+                        ok += 1
+            if ok >= q:
+                self._granted(ttl)
+                if lease._confirm_extension(number, validity_end, ttl) and lease.held:
+                    if lease.auto_renew:
+                        self._engine().reschedule(lease)
+                    return
+            elif gone > n - q:
+                lease._lose(f"{gone} of {n} masters no longer know this holder")
+                raise LockLost(
+                    f"lease on {lease.key!r} is lost: {gone} of {n} masters no longer know it",
+                    lease.key,
+                    self.master_names,
+                )
         lease.ensure_held()
         raise QuorumUnavailable(
-            f"extended {lease.key!r} on {ok} of {n} masters, {q} needed",
+            f"extended {lease.key!r} on {ok} of {n} masters, {q} needed (the lease now ends "
+            f"no later than this extension would have: {lease.remaining():.3f}s left)",
             lease.key,
             self.master_names,
             self._errors(result),
@@ -824,7 +903,9 @@ class Redlock:
         """Extend ``leases[i]`` to ``ttls[i]`` on every master in one round.
 
         Returns, per lease, ``"ok"`` (a quorum extended it; its deadline moved),
-        ``"gone"`` (a quorum no longer knows it) or an error text (try again).
+        ``"gone"`` (a quorum no longer knows it) or an error text (try again). The
+        caller holds each lease's ``_ext_lock``; each renewal is an extension of its
+        lease (numbered, lowering the deadline until confirmed: see :class:`Lease`).
 
         This is the heartbeat's whole cost per tick, so it avoids per-lease work
         that can be done once: each lease's RESP-encoded keys and token are built
@@ -832,13 +913,18 @@ class Redlock:
         votes are counted per master over the reply strings, not per lease.
         """
         n, q = len(self.masters), self.quorum
+        start = self._clock()
+        ends = [start + ttl - self._drift(ttl) for ttl in ttls]
+        numbers = [lease._begin_extension(end) for lease, end in zip(leases, ends, strict=True)]
         commands: list[bytes] = []
         ttl_args: dict[float, bytes] = {}
         for lo in range(0, len(leases), RENEW_CHUNK):
             chunk = leases[lo : lo + RENEW_CHUNK]
             keys: list[bytes] = []
             args: list[bytes] = []
-            for lease, ttl in zip(chunk, ttls[lo : lo + RENEW_CHUNK], strict=True):
+            for lease, ttl, number in zip(
+                chunk, ttls[lo : lo + RENEW_CHUNK], numbers[lo : lo + RENEW_CHUNK], strict=True
+            ):
                 fragment = lease._renew_fragment
                 if fragment is None:
                     lock_key, meta_key, _ = self._keys(lease.key)
@@ -852,8 +938,9 @@ class Redlock:
                 if ttl_arg is None:
                     ttl_arg = ttl_args[ttl] = pack_args((max(1, int(ttl * 1000)),))
                 args.append(ttl_arg)
+                args.append(pack_args((number,)))
             commands.append(
-                b"*%d\r\n" % (3 + 4 * len(chunk))
+                b"*%d\r\n" % (3 + 5 * len(chunk))
                 + scripts.EXTEND_MANY.head
                 + pack_args((2 * len(chunk),))
                 + b"".join(keys)
@@ -863,7 +950,6 @@ class Redlock:
         if self._renew_lane is None:
             self._renew_lane = self._new_lane()
         with self._lane(self._renew_lane) as lane:
-            start = self._clock()
             quarantined = self._quarantined(start)
             result = self._round(lane, [payload] * n)
             quarantined |= self._quarantined(self._clock())
@@ -878,13 +964,14 @@ class Redlock:
                 if flag == 49:  # b"1": extended on this master
                     if i not in quarantined:
                         ok[j] += 1
-                else:
+                elif flag == 48:  # b"0": not ours there (b"2": a later extension was)
                     gone[j] += 1
         out: list[str] = []
         errors: str | None = None
         for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
             if ok[j] >= q:
-                lease._set_deadline(start + ttl - self._drift(ttl))
+                self._granted(ttl)
+                lease._confirm_extension(numbers[j], ends[j], None)
                 out.append("ok")
             elif gone[j] > n - q:
                 out.append("gone")

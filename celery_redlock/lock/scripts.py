@@ -21,6 +21,7 @@ __all__ = [
     "CLAIM",
     "EXTEND",
     "EXTEND_MANY",
+    "EXTENSION_FIELD",
     "FENCE",
     "RELEASE",
     "RELEASE_OWNER",
@@ -52,24 +53,21 @@ class Script:
 #: ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] a value: on success KEYS[3] is deleted
 #: if it holds exactly this value ('' = leave KEYS[3] alone), ARGV[4..] metadata
 #: field, value pairs (may be none).
-#: Returns 1 when the key is ours now (set, or already held with this token and
-#: refreshed, so a retry of one acquire call is idempotent), 0 when someone else holds it.
+#: Returns 1 when the key was free and is ours now, 0 when it is held (by anyone: every
+#: acquire attempt has a fresh token, so an attempt never finds its own).
+#: The metadata hash starts afresh: it also holds the extension count (``EXTEND``), which
+#: must not carry over from an earlier holder.
 ACQUIRE = Script(
     "acquire",
     """
-local current = redis.call('GET', KEYS[1])
-if current == false then
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    if #ARGV > 3 then
-        redis.call('DEL', KEYS[2])
-        redis.call('HSET', KEYS[2], unpack(ARGV, 4))
-        redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    end
-elseif current == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-else
+if redis.call('EXISTS', KEYS[1]) == 1 then
     return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[2])
+if #ARGV > 3 then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
 end
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then
     redis.call('DEL', KEYS[3])
@@ -141,35 +139,49 @@ return 0
 """,
 )
 
+#: The metadata field holding the number of the last extension applied (see ``EXTEND``).
+EXTENSION_FIELD = "_ext"
+
 #: KEYS[1] lock, KEYS[2] metadata hash.
-#: ARGV[1] token, ARGV[2] new ttl in ms.
-#: Returns 1 when the lock was ours and now lives ARGV[2] ms (metadata too), else 0.
+#: ARGV[1] token, ARGV[2] new ttl in ms, ARGV[3] the extension's number (1, 2, ... per lease).
+#: Returns 1 when the lock was ours and now lives ARGV[2] ms (metadata too), 0 when it is
+#: not ours, 2 when it is ours but a later extension of this lease was applied already:
+#: an extension delayed on its connection never changes the TTL a later one set.
 EXTEND = Script(
     "extend",
     """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    return 1
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
 end
-return 0
+if tonumber(redis.call('HGET', KEYS[2], '_ext') or '0') >= tonumber(ARGV[3]) then
+    return 2
+end
+redis.call('HSET', KEYS[2], '_ext', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
 """,
 )
 
 #: KEYS[2i-1] lock i, KEYS[2i] metadata hash i, for i in 1..n.
-#: ARGV[2i-1] token i, ARGV[2i] new ttl in ms for lock i.
-#: Returns a string of n characters: '1' where lock i was ours and is extended, else '0'.
+#: ARGV[3i-2] token i, ARGV[3i-1] new ttl in ms for lock i, ARGV[3i] its extension number.
+#: Returns a string of n characters, as ``EXTEND`` per lock: '1' extended, '0' not ours,
+#: '2' ours but a later extension was applied already.
 EXTEND_MANY = Script(
     "extend_many",
     """
 local out = {}
 for i = 1, #KEYS, 2 do
-    if redis.call('GET', KEYS[i]) == ARGV[i] then
-        redis.call('PEXPIRE', KEYS[i], ARGV[i + 1])
-        redis.call('PEXPIRE', KEYS[i + 1], ARGV[i + 1])
-        out[#out + 1] = '1'
-    else
+    local a = (i - 1) / 2 * 3 + 1
+    if redis.call('GET', KEYS[i]) ~= ARGV[a] then
         out[#out + 1] = '0'
+    elseif tonumber(redis.call('HGET', KEYS[i + 1], '_ext') or '0') >= tonumber(ARGV[a + 2]) then
+        out[#out + 1] = '2'
+    else
+        redis.call('HSET', KEYS[i + 1], '_ext', ARGV[a + 2])
+        redis.call('PEXPIRE', KEYS[i], ARGV[a + 1])
+        redis.call('PEXPIRE', KEYS[i + 1], ARGV[a + 1])
+        out[#out + 1] = '1'
     end
 end
 return table.concat(out)

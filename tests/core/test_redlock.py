@@ -433,7 +433,9 @@ def test_bad_specs_are_improperly_configured() -> None:
         Redlock(["redis://127.0.0.1:1/0"], node_timeout=0)
     with pytest.raises(ImproperlyConfigured):
         Redlock(["redis://127.0.0.1:1/0"], clock_drift_factor=0.5)
-    with pytest.raises(ImproperlyConfigured, match="spin_wait must be >= 0"):
+    with pytest.raises(
+        ImproperlyConfigured, match=r"spin_wait must be a finite number in \[0, 1\]"
+    ):
         Redlock(["redis://127.0.0.1:1/0"], spin_wait=-1)
     with pytest.raises(ImproperlyConfigured, match=r"spin_wait must be shorter than node_timeout"):
         Redlock(["redis://127.0.0.1:1/0"], node_timeout=0.1, spin_wait=0.1)
@@ -465,7 +467,7 @@ def test_bad_arguments_raise_before_any_round() -> None:
         rl.acquire("k", 10, blocking_timeout=-1)
     with pytest.raises(ValueError, match="renew_every"):
         rl.acquire("k", 10, renew_every=10)
-    with pytest.raises(TypeError, match="number of seconds"):
+    with pytest.raises(TypeError, match="ttl must be a number in"):
         rl.acquire("k", "10")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="key"):
         rl.acquire("", 10)
