@@ -70,6 +70,10 @@ def full_jitter(
     return draw * ceiling
 
 
+#: The longest backoff window accepted (a day): a reschedule further out is a lost job.
+MAX_CAP = 86400.0
+
+
 @dataclass(frozen=True)
 class Backoff:
     """A full-jitter backoff policy: ``base`` and ``cap`` in seconds, ``0 < base <= cap``.
@@ -86,6 +90,8 @@ class Backoff:
         _check_number("cap", self.cap, positive=True)
         if self.base > self.cap:
             raise ValueError(f"base ({self.base!r}) must not be larger than cap ({self.cap!r})")
+        if self.cap > MAX_CAP:
+            raise ValueError(f"cap ({self.cap!r}) must be at most {MAX_CAP:g} seconds (a day)")
 
     def ceiling(self, attempt: int) -> float:
         """Upper bound of the window for ``attempt``: ``min(cap, base * 2**attempt)``."""

@@ -34,6 +34,7 @@ from redis import connection as redis_connection
 from .backoff import Backoff, parse_backoff
 from .exceptions import ImproperlyConfigured
 from .keys import KeyBuilder, compile_lock_key, validate_prefix
+from .lock import limits
 
 __all__ = [
     "DEFAULTS",
@@ -66,7 +67,7 @@ DedupeMode: TypeAlias = Literal["queued", "active"]
 OnLockLost: TypeAlias = Literal["log", "interrupt"]
 
 #: Shortest ``ttl`` accepted: Redis keeps milliseconds, and validity loses 2 ms plus drift.
-MIN_TTL: Final = 0.01
+MIN_TTL: Final = limits.MIN_TTL
 _LOCALHOST: Final = "redis://localhost:6379/0"
 _CONTENTION_BACKOFF: Final = Backoff(1, 60)
 _OUTAGE_BACKOFF: Final = Backoff(1, 10)
@@ -250,13 +251,16 @@ def _number(value: object, accepted: str) -> float:
     return value
 
 
-def _seconds(value: object, minimum: float = 0.0) -> float:
+def _seconds(value: object, minimum: float = 0.0, maximum: float = limits.MAX_TTL) -> float:
     if minimum:
-        accepted = f"a number of seconds >= {minimum} (int or float)"
+        accepted = (
+            f"a number of seconds in [{limits.show(minimum)}, {limits.show(maximum)}]"
+            " (int or float)"
+        )
     else:
-        accepted = "a number of seconds > 0 (int or float)"
+        accepted = f"a number of seconds in (0, {limits.show(maximum)}] (int or float)"
     number = _number(value, accepted)
-    if number < minimum or number <= 0:
+    if number < minimum or number <= 0 or number > maximum:
         raise _RejectedError(f"must be {accepted}")
     return number
 
@@ -512,15 +516,15 @@ class RedlockSettings:
 _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "redis_urls": _masters,
     "key_prefix": _prefix,
-    "node_timeout": _seconds,
+    "node_timeout": lambda v: _seconds(v, 0.0, limits.MAX_NODE_TIMEOUT),
     "ttl": lambda v: _seconds(v, MIN_TTL),
-    "renew_every": lambda v: None if v is None else _seconds(v),
+    "renew_every": lambda v: None if v is None else _seconds(v, limits.MIN_RENEW_EVERY),
     "clock_drift_factor": _drift,
     "on_contention": lambda v: _choice(v, ("retry", "skip", "raise")),
     "contention_backoff": _backoff,
     "max_contention_retries": _retries,
     "dedupe": lambda v: _choice(v, ("queued", "active", None)),
-    "dedupe_ttl": _seconds,
+    "dedupe_ttl": lambda v: _seconds(v, 0.0, limits.MAX_CLAIM_TTL),
     "on_lock_lost": lambda v: _choice(v, ("log", "interrupt")),
     "outage_backoff": _backoff,
     "beat_leader": _bool,

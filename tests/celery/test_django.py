@@ -63,7 +63,7 @@ def test_worker_exits_at_start_on_a_bad_django_setting(
     assert "ImproperlyConfigured" in log
     # The Django spelling, what is accepted, and the value given.
     assert "CELERY_REDLOCK_TTL" in log
-    assert "must be a number of seconds >= 0.01 (int or float)" in log
+    assert "must be a number of seconds in [0.01, 86400] (int or float)" in log
     assert got in log
     assert " ready." not in log
 

@@ -200,12 +200,17 @@ def test_settings_from_a_plain_mapping() -> None:
 @pytest.mark.parametrize(
     ("setting", "value", "accepted"),
     [
-        ("node_timeout", 0, "must be a number of seconds > 0"),
-        ("node_timeout", -1, "must be a number of seconds > 0"),
-        ("ttl", 0.001, "must be a number of seconds >= 0.01"),
-        ("ttl", math.inf, "must be a number of seconds >= 0.01"),
-        ("ttl", math.nan, "must be a number of seconds >= 0.01"),
-        ("renew_every", 0, "must be a number of seconds > 0"),
+        ("node_timeout", 0, "must be a number of seconds in (0, 60]"),
+        ("node_timeout", -1, "must be a number of seconds in (0, 60]"),
+        ("ttl", 0.001, "must be a number of seconds in [0.01, 86400]"),
+        ("ttl", math.inf, "must be a number of seconds in [0.01, 86400]"),
+        ("ttl", math.nan, "must be a number of seconds in [0.01, 86400]"),
+        ("ttl", 1e12, "must be a number of seconds in [0.01, 86400]"),
+        ("renew_every", 1e-6, "must be a number of seconds in [0.01, 86400]"),
+        ("node_timeout", math.nan, "must be a number of seconds in (0, 60]"),
+        ("dedupe_ttl", 1e12, "must be a number of seconds in (0, 34560000]"),
+        ("contention_backoff", (1, 1e12), "must be a pair (base, cap) of seconds"),
+        ("renew_every", 0, "must be a number of seconds in [0.01, 86400]"),
         ("clock_drift_factor", 0.5, "must be a number in [0, 0.5)"),
         ("clock_drift_factor", -0.1, "must be a number in [0, 0.5)"),
         ("on_contention", "wait", "must be one of 'retry', 'skip', 'raise'"),
@@ -217,10 +222,10 @@ def test_settings_from_a_plain_mapping() -> None:
         ("outage_backoff", 5, "must be a pair (base, cap) of seconds"),
         ("max_contention_retries", -1, "must be None (no limit) or an int >= 0"),
         ("max_contention_retries", 2.0, "must be None (no limit) or an int >= 0"),
-        ("dedupe_ttl", 0, "must be a number of seconds > 0"),
+        ("dedupe_ttl", 0, "must be a number of seconds in (0, 34560000]"),
         ("beat_leader", "yes", "must be True or False"),
         ("beat_leader", 1, "must be True or False"),
-        ("beat_lease_ttl", 0, "must be a number of seconds >= 0.01"),
+        ("beat_lease_ttl", 0, "must be a number of seconds in [0.01, 86400]"),
         ("key_prefix", "my{app}", "must be a non-empty str without '{', '}' or whitespace"),
         ("key_prefix", "", "must be a non-empty str without '{', '}' or whitespace"),
         ("redis_urls", [], "must be a non-empty list of masters"),
@@ -238,7 +243,7 @@ def test_invalid_values_name_the_setting_in_both_spellings(
 def test_numbers_given_as_strings_are_refused_not_converted() -> None:
     message = error_of(redlock_ttl="30")
     assert message == (
-        "redlock_ttl (Django: CELERY_REDLOCK_TTL) must be a number of seconds >= 0.01 "
+        "redlock_ttl (Django: CELERY_REDLOCK_TTL) must be a number of seconds in [0.01, 86400] "
         "(int or float), not a str (strings are not converted); got '30' (a str)"
     )
 
@@ -456,7 +461,9 @@ def test_invalid_task_options_name_the_task_and_option() -> None:
         validate_task_options(task, get_settings(app))
     message = str(caught.value)
     assert message.startswith("2 problems in the lock options of task 'proj.sync':")
-    assert "task 'proj.sync': option lock_ttl must be a number of seconds >= 0.01" in message
+    assert (
+        "task 'proj.sync': option lock_ttl must be a number of seconds in [0.01, 86400]" in message
+    )
     assert "got '30' (a str)" in message
     assert "option on_contention must be one of 'retry', 'skip', 'raise'; got 'wait'" in message
 
