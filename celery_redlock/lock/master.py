@@ -269,7 +269,6 @@ class Master:
         self._quiet_until = 0.0
         self._summary_at = 0.0
         self._unreached = 0
-        self._log_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<Master {self.name}>"
@@ -406,6 +405,8 @@ class Master:
         """Note that the master answered; logs an INFO line if its failure was logged."""
         if self.down:
             self.down = False
+            self._unreached = 0
+            self._summary_at = 0.0
             if self._said_down:
                 self._said_down = False
                 logger.info("master %s answers again", self.name)
@@ -418,14 +419,15 @@ class Master:
         :meth:`mark_down` did not already say it, then a summary of how many operations
         could not reach the master since. Never one line per operation.
         """
+        # No lock: threads racing here only blur a count or repeat a line, and a lock
+        # held by another thread at fork() would hang a forked child here.
         now = time.monotonic()
-        with self._log_lock:
-            self._unreached += 1
-            if now < self._summary_at:
-                return
-            count, self._unreached = self._unreached, 0
-            first = now >= self._summary_at + LOG_PERIOD  # no window open: a new episode
-            self._summary_at = now + LOG_PERIOD
+        self._unreached += 1
+        if now < self._summary_at:
+            return
+        count, self._unreached = self._unreached, 0
+        first = now >= self._summary_at + LOG_PERIOD  # no window open: a new episode
+        self._summary_at = now + LOG_PERIOD
         if first:
             if not self._said_down:
                 logger.warning(
