@@ -37,7 +37,7 @@ from benchmarks.common import (
     times,
 )
 from celery_redlock.lock import scripts
-from celery_redlock.lock.resp import pack
+from celery_redlock.lock.wire import pack
 from celery_redlock.testing import RedisServer, start_masters, wait_for
 
 STORM = 1000

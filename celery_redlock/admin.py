@@ -208,6 +208,9 @@ class MasterReport:
     appendfsync: str | None = None
     rdb_saves: bool | None = None
     foreign_keys: int = 0
+    #: the number (from 1) of the master this one is the same server as (same run_id):
+    #: it is never counted towards the quorum
+    duplicate_of: int | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -220,9 +223,13 @@ def check(
     with ``appendfsync always`` and a restart sooner than ``max_ttl``), clock
     skew between masters, run_id changes since the last check, and keys under
     our prefix that do not follow our layout (a prefix shared with something else).
+    A master that is the same server as another one (the same run_id under two names,
+    or another db number) has ``duplicate_of`` set and does not count as reachable.
     """
     reports: list[MasterReport] = []
     check_key = redis_key(redlock.key_prefix, CHECK_KEY, "run-ids")
+    # The client's own view first: it refuses a master whose run_id another one has.
+    statuses = redlock.check_masters()
     for master, client in _clients(redlock):
         report = MasterReport(master.name)
         reports.append(report)
@@ -315,5 +322,13 @@ def check(
                 )
         except redis.RedisError as exc:
             report.warnings.append(f"could not finish the check: {exc}")
-    reachable = sum(1 for r in reports if r.reachable)
+    for report, status in zip(reports, statuses, strict=True):
+        if status.duplicate_of is not None:
+            report.duplicate_of = status.duplicate_of
+            first, second = sorted((status.number, status.duplicate_of))
+            report.warnings.append(
+                f"masters #{first} and #{second} are the same server (run_id "
+                f"{(status.run_id or '')[:8]}): it counts once, not twice"
+            )
+    reachable = sum(1 for r in reports if r.reachable and r.duplicate_of is None)
     return reports, reachable >= redlock.quorum

@@ -129,7 +129,8 @@ def clear(ctx: click.Context, pattern: str | None, all_: bool, yes: bool, **_: A
 def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
     """Check every master: reachability, latency, restarts, clock skew, persistence.
 
-    Exits non-zero when fewer than a quorum of masters answer.
+    Exits 2 when fewer than a quorum of masters answer, 3 when two masters are the same
+    server (the same run_id under two names: it would count twice).
     """
     app = ctx.obj.app
     settings = get_settings(app)
@@ -165,8 +166,18 @@ def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
         for r in reports:
             for warning in r.warnings:
                 click.echo(f"warning: {r.name}: {warning}")
-        up = sum(1 for r in reports if r.reachable)
+        up = sum(1 for r in reports if r.reachable and r.duplicate_of is None)
         verdict = "OK" if quorum else "UNAVAILABLE"
         click.echo(f"quorum: {up} of {len(reports)} masters up, {client.quorum} needed: {verdict}")
+        for number, r in enumerate(reports, start=1):
+            if r.duplicate_of is not None:
+                first, second = sorted((number, r.duplicate_of))
+                click.echo(
+                    f"error: masters #{first} and #{second} are the same server "
+                    f"(run_id {(r.run_id or '')[:8]}); list each server once",
+                    err=True,
+                )
     if not quorum:
         sys.exit(2)
+    if any(r.duplicate_of is not None for r in reports):
+        sys.exit(3)

@@ -292,7 +292,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         redlock = redlock_for(self.app)
         try:
             holder, fresh = redlock.claim(
-                key, DEDUPE_SUFFIX, task_id, settings.dedupe_ttl + _delay_of(options)
+                key,
+                DEDUPE_SUFFIX,
+                task_id,
+                settings.dedupe_ttl + _delay_of(options),
+                guards_exclusion=False,
             )
         except (QuorumUnavailable, LockContended) as exc:
             logger.warning("dedupe of %s skipped, publishing %s anyway: %s", key, task_id, exc)
@@ -605,7 +609,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         try:
             key = opts.lock_key(args, kwargs)
             ttl = get_settings(self.app).dedupe_ttl + _delay_of(options)
-            holder, _ = redlock_for(self.app).claim(key, DEDUPE_SUFFIX, task_id, ttl)
+            holder, _ = redlock_for(self.app).claim(
+                key, DEDUPE_SUFFIX, task_id, ttl, guards_exclusion=False
+            )
         except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
             logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
             return

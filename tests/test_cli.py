@@ -48,18 +48,24 @@ Cli = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture
 def cli(tmp_path: Path, masters: Masters) -> Cli:
-    """``cli("ls", "--json", input="y\\n")``: run ``celery -A cliapp redlock ...``."""
+    """``cli("ls", "--json", input="y\\n")``: run ``celery -A cliapp redlock ...``
+    (``urls=[...]``: with other masters than the fixture's)."""
     if not CELERY.exists():
         pytest.fail(f"no celery console script beside {sys.executable}", pytrace=False)
     (tmp_path / "cliapp.py").write_text(APP_MODULE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
     env.update(REDLOCK_CLI_MASTERS=",".join(masters.urls), PYTHONPATH=str(tmp_path))
 
-    def run(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:  # noqa: A002 - subprocess's name
+    def run(
+        *args: str,
+        input: str | None = None,  # noqa: A002 - subprocess's name
+        urls: list[str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        masters_env = {} if urls is None else {"REDLOCK_CLI_MASTERS": ",".join(urls)}
         return subprocess.run(
             [str(CELERY), "-A", "cliapp", "redlock", *args],
             cwd=tmp_path,
-            env=env,
+            env={**env, **masters_env},
             input=input,
             capture_output=True,
             text=True,
@@ -270,3 +276,16 @@ def test_check_passes_on_a_quorum_and_fails_without_one(cli: Cli, masters: Maste
     report = json.loads(as_json.stdout)
     assert report["quorum"] is False
     assert [m["reachable"] for m in report["masters"]] == [True, False, False]
+
+
+def test_check_fails_when_two_masters_are_one_server(cli: Cli, masters: Masters) -> None:
+    port = masters[0].port
+    urls = [f"redis://localhost:{port}/0", f"redis://127.0.0.1:{port}/1", masters[1].url]
+    result = cli("check", urls=urls)
+    assert result.returncode == 3, result.stdout + result.stderr
+    run_id = masters[0].run_id()[:8]
+    assert f"masters #1 and #2 are the same server (run_id {run_id})" in result.stderr
+    assert "quorum: 2 of 3 masters up, 2 needed: OK" in result.stdout
+    report = json.loads(cli("check", "--json", urls=urls).stdout)
+    # whichever of #1 and #2 answered second is the one refused
+    assert sorted(m["duplicate_of"] or 0 for m in report["masters"]) in ([0, 0, 1], [0, 0, 2])

@@ -32,26 +32,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .master import Link, Slot
+from .wire import ReplyError
 
-__all__ = ["Lane", "RoundResult", "run_round"]
+__all__ = ["Lane", "RoundResult", "Validator", "run_round"]
+
+#: Says whether one master's replies to a round have the shape its commands return.
+Validator = Callable[[list[object]], bool]
 
 
 class Lane:
     """One link per master, used by one thread at a time (``lock``).
 
-    Taken locked from :meth:`Redlock._lane`; as a context manager it unlocks on exit.
+    Taken locked from :meth:`Redlock._lane`; as a context manager it unlocks on exit
+    and notes when (``idle_since``, on ``clock``), so that idle lanes can be closed.
+    A ``retired`` lane was closed for good: it is never handed out again.
     """
 
-    __slots__ = ("links", "lock")
+    __slots__ = ("clock", "idle_since", "links", "lock", "retired")
 
-    def __init__(self, links: list[Link]) -> None:
+    def __init__(self, links: list[Link], clock: Callable[[], float] = time.monotonic) -> None:
         self.links = links
         self.lock = threading.Lock()
+        self.clock = clock
+        self.idle_since = clock()
+        self.retired = False
 
     def __enter__(self) -> Lane:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.idle_since = self.clock()
         self.lock.release()
 
 
@@ -86,6 +96,7 @@ def run_round(
     awaiting: Mapping[int, Slot] | None = None,
     spin: float = 0.0,
     wait: bool = True,
+    valid: Validator | None = None,
 ) -> RoundResult:
     """Send ``payloads[i]`` (bytes, number of replies) to ``links[i]``; collect replies.
 
@@ -105,7 +116,47 @@ def run_round(
 
     ``wait=False`` sends and returns at once: no reply is waited for, every slot is
     left to later rounds on the same links (:attr:`RoundResult.not_waited`).
+
+    A master's replies land in :attr:`RoundResult.replies` only when they are what the
+    commands return: one with an error reply (``-ERR``, ``NOSCRIPT`` ...) gets an entry
+    in ``errors`` instead (``NOSCRIPT`` also closes the link: reconnecting loads the
+    scripts), and so does one whose replies ``valid`` refuses, or whose bytes are not
+    RESP at all: that link is closed and its master marked down, not tried again for
+    ``reconnect_backoff`` seconds. ``decided`` only ever sees accepted replies, and no
+    reply, however malformed, makes this function raise.
     """
+
+    def accept(i: int, slot: Slot) -> None:
+        link = links[i]
+        replies = slot.replies
+        problem = None
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                if "NOSCRIPT" in str(reply):
+                    link.close()  # flushed on the master: reconnecting loads them again
+                errors[i] = f"error reply: {reply}"
+                link.master.mark_up()  # it answered
+                return
+        if valid is not None:
+            try:
+                ok = valid(replies)
+            except Exception:  # noqa: BLE001 - a validator tripping on a reply means "bad"
+                ok = False
+            if not ok:
+                problem = f"unexpected reply {replies!r:.120}"
+        if problem is None:
+            result.replies[i] = replies
+            link.master.mark_up()
+        else:
+            broken(i, problem)
+
+    def broken(i: int, why: str) -> None:
+        link = links[i]
+        link.close()
+        link.master.connect_after = clock() + reconnect_backoff
+        link.master.mark_down(why)
+        errors[i] = link.master.last_error
+
     n = len(links)
     result = RoundResult(replies=[None] * n)
     errors = result.errors
@@ -130,7 +181,7 @@ def run_round(
             errors[i] = master.last_error
     for i, slot in (awaiting or {}).items():
         if slot.done:
-            result.replies[i] = slot.replies
+            accept(i, slot)
         elif any(s is slot for s in links[i].outstanding):
             slots[i] = slot
         else:
@@ -182,9 +233,13 @@ def run_round(
                 errors[i] = link.master.last_error
                 del pending[i]
                 continue
+            except Exception as exc:  # noqa: BLE001 - not RESP (hiredis.ProtocolError) or worse
+                broken(i, f"malformed reply: {exc}")
+                del pending[i]
+                continue
             slot = pending[i]
             if slot.done:
-                result.replies[i] = slot.replies
+                accept(i, slot)
                 del pending[i]
         if timeout == 0.0 and not ready:
             break

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,10 +30,21 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
-from .resp import INCOMPLETE, ReplyError, RespReader, pack
+from . import wire
 from .scripts import ALL_SCRIPTS
+from .wire import ReplyError
 
-__all__ = ["Link", "Master", "MasterSpec", "describe_masters", "make_master"]
+__all__ = [
+    "DuplicateMaster",
+    "Link",
+    "Master",
+    "MasterSpec",
+    "MasterStatus",
+    "describe_masters",
+    "longest_granted_ttl",
+    "make_master",
+    "note_granted_ttl",
+]
 
 logger = logging.getLogger("celery_redlock.lock")
 
@@ -65,6 +77,37 @@ _known_lock = threading.Lock()
 #: True once any master was seen to restart in this process: until then no round needs
 #: to look for quarantined masters (a check that would otherwise run on every round).
 restarts_seen = False
+#: monotonic time a master (by address, as ``_known_run_ids``) was last seen to restart,
+#: shared by every Redlock in this process: a client created after the restart keeps the
+#: master out of its quorum as long as the one that saw it does
+_restarted_at: dict[str, float] = {}
+#: the longest TTL of a lease or claim granted in this process (seconds): how long a
+#: restarted master stays out of the quorum (see :func:`note_granted_ttl`)
+_longest_granted = 0.0
+
+#: At most one summary line per master per this many seconds (see Master.note_unreached).
+LOG_PERIOD = 30.0
+
+
+def note_granted_ttl(ttl: float) -> None:
+    """Record that a lease or claim of ``ttl`` seconds was granted in this process.
+
+    A master seen to restart is kept out of every quorum for the longest such TTL: a
+    lock it forgot lives on the other masters at most that long.
+    """
+    global _longest_granted
+    if ttl > _longest_granted:
+        with _known_lock:
+            _longest_granted = max(_longest_granted, ttl)
+
+
+def longest_granted_ttl() -> float:
+    """The longest TTL granted in this process so far (0.0 before the first grant)."""
+    return _longest_granted
+
+
+class DuplicateMaster(ConnectionError):
+    """A master answered with the run_id of another master of the same client."""
 
 
 def _no_setinfo_kwargs() -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -212,12 +255,28 @@ class Master:
         #: set while the master failed to answer a round in time; rounds do not wait on it
         self.down = False
         self.last_error = ""
-        #: monotonic time we saw its run_id change (a restart), or None
-        self.restarted_at: float | None = None
         self.run_id: str | None = None
+        #: the masters of the same client (this one included) and this one's number
+        #: among them (from 1), set by :func:`group`
+        self.peers: Sequence[Master] = (self,)
+        self.number = 1
+        #: the master of the same client that turned out to be the same server (same
+        #: run_id): this one is refused, never counted towards the quorum
+        self.duplicate_of: Master | None = None
+        # Log state (see mark_down, mark_up, note_unreached): one line per transition
+        # and one summary per LOG_PERIOD at most, however many operations fail.
+        self._said_down = False
+        self._quiet_until = 0.0
+        self._summary_at = 0.0
+        self._unreached = 0
 
     def __repr__(self) -> str:
         return f"<Master {self.name}>"
+
+    @property
+    def restarted_at(self) -> float | None:
+        """Monotonic time this master was last seen to restart in this process, or None."""
+        return _restarted_at.get(self.name)
 
     def new_connection(self) -> Any:
         return self._connection_class(**self._connection_kwargs)
@@ -275,15 +334,48 @@ class Master:
         return redis.Redis(connection_pool=pool)
 
     def note_run_id(self, run_id: str, now: float) -> None:
-        """Record the run_id seen on a fresh connection; a change means a restart."""
+        """Record the run_id seen on a fresh connection; a change means a restart.
+
+        Raises :class:`DuplicateMaster` when another master of the same client has this
+        run_id: both names lead to one server, which must count once. This one is then
+        refused (never counted) until it answers with a run_id of its own.
+        """
         with _known_lock:
-            previous = self.run_id or _known_run_ids.get(self.name)
-            _known_run_ids[self.name] = run_id
-        self.run_id = run_id
+            twin = next(
+                (
+                    m
+                    for m in self.peers
+                    if m is not self and m.duplicate_of is None and m.run_id == run_id
+                ),
+                None,
+            )
+            was = self.duplicate_of
+            self.duplicate_of = twin
+            if twin is None:
+                previous = self.run_id or _known_run_ids.get(self.name)
+                _known_run_ids[self.name] = run_id
+                self.run_id = run_id
+        if twin is not None:
+            if was is not twin:
+                logger.error(
+                    "masters #%d (%s) and #%d (%s) are the same server (run_id %s): "
+                    "#%d is not counted towards the quorum; list each server once",
+                    twin.number,
+                    twin.name,
+                    self.number,
+                    self.name,
+                    run_id[:8],
+                    self.number,
+                )
+            raise DuplicateMaster(
+                f"the same server as master #{twin.number} ({twin.name}, run_id {run_id[:8]})"
+            )
+        if was is not None:
+            logger.info("master %s is no longer the same server as %s", self.name, was.name)
         if previous is not None and previous != run_id:
             global restarts_seen
             restarts_seen = True
-            self.restarted_at = now
+            _restarted_at[self.name] = now
             logger.warning(
                 "master %s restarted (run_id %s -> %s): keeping it out of the quorum "
                 "for the longest lock TTL in use",
@@ -293,16 +385,96 @@ class Master:
             )
 
     def mark_down(self, error: str) -> None:
-        if not self.down:
-            logger.warning("master %s is not answering: %s", self.name, error)
-        self.down = True
+        """Note that the master failed; logs a WARNING on the transition only.
+
+        A master that fails again within :data:`LOG_PERIOD` of the last such line (one
+        flapping, or refused at every reconnect) is not logged again: the summary of
+        :meth:`note_unreached` speaks for it.
+        """
         self.last_error = error
+        if self.down:
+            return
+        self.down = True
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + LOG_PERIOD
+            self._said_down = True
+            logger.warning("master %s is not answering: %s", self.name, error)
 
     def mark_up(self) -> None:
+        """Note that the master answered; logs an INFO line if its failure was logged."""
         if self.down:
-            logger.info("master %s answers again", self.name)
-        self.down = False
+            self.down = False
+            self._unreached = 0
+            self._summary_at = 0.0
+            if self._said_down:
+                self._said_down = False
+                logger.info("master %s answers again", self.name)
         self.last_error = ""
+
+    def note_unreached(self, error: str) -> None:
+        """Count an operation that could not reach this master (or got an error reply).
+
+        Logs at most one WARNING per :data:`LOG_PERIOD`: the first failure, when
+        :meth:`mark_down` did not already say it, then a summary of how many operations
+        could not reach the master since. Never one line per operation.
+        """
+        # No lock: threads racing here only blur a count or repeat a line, and a lock
+        # held by another thread at fork() would hang a forked child here.
+        now = time.monotonic()
+        self._unreached += 1
+        if now < self._summary_at:
+            return
+        count, self._unreached = self._unreached, 0
+        first = now >= self._summary_at + LOG_PERIOD  # no window open: a new episode
+        self._summary_at = now + LOG_PERIOD
+        if first:
+            if not self._said_down:
+                logger.warning(
+                    "master %s: an operation could not reach it: %s (further failures "
+                    "are summarised every %.0f s)",
+                    self.name,
+                    error,
+                    LOG_PERIOD,
+                )
+        else:
+            logger.warning(
+                "master %s still %s: %d operations could not reach it in the last %.0f s (%s)",
+                self.name,
+                "down" if self.down else "failing",
+                count,
+                LOG_PERIOD,
+                error,
+            )
+
+    def status(self) -> MasterStatus:
+        """What this client knows of the master now (see :meth:`.Redlock.check_masters`)."""
+        twin = self.duplicate_of
+        return MasterStatus(
+            number=self.number,
+            name=self.name,
+            up=not self.down and twin is None,
+            run_id=self.run_id if twin is None else twin.run_id,
+            duplicate_of=None if twin is None else twin.number,
+            error=self.last_error or None,
+        )
+
+
+@dataclass(frozen=True)
+class MasterStatus:
+    """One master as a client sees it (:meth:`.Redlock.check_masters`)."""
+
+    #: its position in the client's list of masters, from 1
+    number: int
+    #: its URL, without password
+    name: str
+    #: it answered, and is not a duplicate
+    up: bool
+    run_id: str | None
+    #: the number of the master it is the same server as (it is then never counted)
+    duplicate_of: int | None
+    #: why it is down (or refused), if it is
+    error: str | None
 
 
 def make_master(spec: MasterSpec, node_timeout: float) -> Master:
@@ -390,6 +562,15 @@ def refuse_duplicates(masters: Sequence[Master]) -> None:
             )
 
 
+def group(masters: Sequence[Master]) -> None:
+    """Make ``masters`` one client's set: each knows the others and its number among them,
+    so that two that turn out to be one server (same run_id) are told apart on connect."""
+    peers = tuple(masters)
+    for number, master in enumerate(peers, start=1):
+        master.peers = peers
+        master.number = number
+
+
 def describe_masters(masters: Sequence[Master]) -> list[str]:
     return [m.name for m in masters]
 
@@ -427,7 +608,7 @@ class Link:
         #: ``select`` then costs one system call, where a socket with a timeout adds
         #: a ``poll`` before each (TLS sockets keep their timeout)
         self._nonblocking = False
-        self.reader = RespReader()
+        self.reader = wire.reader()
         self.outstanding: deque[Slot] = deque()
         #: names of the connect commands sent ahead of the handshake (see open)
         self._prefix: tuple[str, ...] = ()
@@ -474,13 +655,13 @@ class Link:
             self._nonblocking = not _is_tls(sock)
             if self._nonblocking:
                 sock.setblocking(False)
-            self.reader.clear()
+            self.reader = wire.reader()
             self.outstanding.clear()
             prefix: tuple[tuple[str, ...], ...] = getattr(conn, "handshake", ())
             self._prefix = tuple(" ".join(c[:2]) if c[0] == "CLIENT" else c[0] for c in prefix)
             commands: list[Sequence[str]] = [*prefix, ("INFO", "server")]
             commands += [("SCRIPT", "LOAD", s.source) for s in ALL_SCRIPTS]
-            return self.send(pack(*commands), len(commands))
+            return self.send(wire.pack(*commands), len(commands))
         except BaseException:
             self.close()
             raise
@@ -488,7 +669,9 @@ class Link:
     def finish_handshake(self, slot: Slot, now: float) -> None:
         """Check the handshake replies of :meth:`open` and note the master's run_id.
 
-        Closes the link and raises ``ConnectionError`` when a reply is an error.
+        Closes the link and raises ``ConnectionError`` when a reply is an error or not
+        what the command returns, and :class:`DuplicateMaster` when another master of
+        the same client has this run_id.
         """
         try:
             # Connect commands first: a failed AUTH explains the errors that follow it.
@@ -498,20 +681,23 @@ class Link:
             info = slot.replies[len(self._prefix)]
             if isinstance(info, ReplyError):
                 raise ConnectionError(f"INFO failed: {info}")
+            if not isinstance(info, bytes):
+                raise ConnectionError(f"INFO answered {info!r:.80}, not a bulk string")
             for reply in slot.replies[len(self._prefix) + 1 :]:
                 if isinstance(reply, ReplyError):
                     raise ConnectionError(f"SCRIPT LOAD failed: {reply}")
+            run_id = _parse_run_id(info)
+            if run_id:
+                self.master.note_run_id(run_id, now)
         except BaseException:
             self.close()
             raise
-        run_id = _parse_run_id(info)
-        if run_id:
-            self.master.note_run_id(run_id, now)
+        self.master.mark_up()
 
     def close(self) -> None:
         conn, self._conn, self.sock = self._conn, None, None
         self.outstanding.clear()
-        self.reader.clear()
+        self.reader = wire.reader()
         if conn is not None:
             # redis-py only shuts the socket down in the process that opened it,
             # so a forked child closing its copy never cuts off the parent.
@@ -523,7 +709,7 @@ class Link:
         self._conn = None
         self.sock = None
         self.outstanding.clear()
-        self.reader.clear()
+        self.reader = wire.reader()
 
     def send(self, payload: bytes, expected: int) -> Slot:
         """Write a payload that will produce ``expected`` replies; return their slot."""
@@ -577,7 +763,9 @@ class Link:
     def read_available(self) -> None:
         """Read what the socket has and hand complete replies to their slots.
 
-        Raises ``ConnectionError`` when the peer closed the connection.
+        Raises ``ConnectionError`` when the peer closed the connection, and
+        ``hiredis.ProtocolError`` when it sent something that is not RESP (the caller
+        closes the link: what follows in its buffer cannot be trusted).
         """
         sock = self.sock
         assert sock is not None
@@ -587,27 +775,15 @@ class Link:
             return
         if not data:
             raise ConnectionError("connection closed by the master")
-        self.master.mark_up()
         outstanding = self.outstanding
         reader = self.reader
-        if (
-            outstanding
-            and data[0] == 58  # ':' an integer reply, the answer of most of our scripts,
-            and data.find(b"\r\n") == len(data) - 2  # alone in this read,
-            and reader.empty()  # with nothing buffered before it: no parser needed
-        ):
-            slot = outstanding[0]
-            slot.replies.append(int(data[1:-2]))
-            if len(slot.replies) >= slot.expected:
-                outstanding.popleft()
-            return
         reader.feed(data)
         if not self._nonblocking:
             while _pending(sock):
                 reader.feed(sock.recv(262144))
         while outstanding:
-            reply = reader.next()
-            if reply is INCOMPLETE:
+            reply = reader.gets()
+            if reply is False:  # incomplete (RESP2 has no boolean replies)
                 break
             slot = outstanding[0]
             slot.replies.append(reply)

@@ -16,10 +16,11 @@ from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUn
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
 from . import heartbeat, limits, process, scripts
 from . import master as master_mod
-from .fanout import Lane, RoundResult, run_round
+from .fanout import Lane, RoundResult, Validator, run_round
 from .lease import Lease
-from .master import Link, Master, MasterSpec, Slot, make_master
-from .resp import ReplyError, pack, pack_args
+from .master import Link, Master, MasterSpec, MasterStatus, Slot, make_master
+from .wire import fragment as wire_fragment
+from .wire import pack
 
 __all__ = ["Redlock"]
 
@@ -37,6 +38,11 @@ RENEW_CHUNK = 500
 NAMES_CACHED = 4096
 #: Keys remembered per client as "holders read the fence" (see ``eager_fence_keys``).
 DEFAULT_EAGER_FENCE_KEYS = 4096
+#: Idle lanes (one connection per master each) kept open per client; more are closed
+#: once idle for LANE_IDLE seconds, so a burst of threads does not leave its
+#: connections open for good.
+IDLE_LANES_KEPT = 2
+LANE_IDLE = 2.0
 
 _instances: weakref.WeakSet[Redlock] = weakref.WeakSet()
 
@@ -139,14 +145,16 @@ class Redlock:
         self._clock = clock
         self.masters: list[Master] = [make_master(m, self.node_timeout) for m in masters]
         master_mod.refuse_duplicates(self.masters)
+        master_mod.group(self.masters)
         self.quorum = len(self.masters) // 2 + 1
         self.reconnect_backoff = max(1.0, 4 * self.node_timeout)
-        self._max_ttl = 0.0
         self.spin_wait = spin_wait
         #: moving average of how long rounds waited for their replies (see _round)
         self._reply_wait = 0.0
         self._lanes: list[Lane] = []
         self._lanes_lock = threading.Lock()
+        #: clock time after which _lane looks for idle lanes to close
+        self._prune_at = 0.0
         self._renew_lane: Lane | None = None
         _instances.add(self)
         if len(self.masters) == 1:
@@ -259,9 +267,9 @@ class Redlock:
         return value
 
     def _granted(self, ttl: float) -> None:
-        """Note a TTL the masters granted: a restarted master's quarantine follows the longest."""
-        if ttl > self._max_ttl:
-            self._max_ttl = ttl
+        """Note a TTL the masters granted: a restarted master's quarantine follows the longest
+        granted in this process (see :func:`.master.note_granted_ttl`)."""
+        master_mod.note_granted_ttl(ttl)
 
     def _engine(self) -> heartbeat.Heartbeat:
         """The renewal engine for this client's leases: the process's, on this client's clock."""
@@ -307,6 +315,22 @@ class Redlock:
                 for link in lane.links:
                     link.close()
 
+    def check_masters(self) -> list[MasterStatus]:
+        """Reach every master now and say how each stands, in the order given.
+
+        Connects wherever no connection is open, also to masters still waiting out a
+        reconnect backoff, so that the answer is current; a master that turns out to
+        be the same server as another one (the same ``run_id`` under two names, or
+        another db number) has ``duplicate_of`` set to that one's number and is never
+        counted towards the quorum. Never raises for unreachable masters.
+        """
+        for master in self.masters:
+            master.connect_after = 0.0
+        payload = (pack(("PING",)), 1)
+        with self._lane() as lane:
+            self._round(lane, [payload] * len(self.masters), valid=_pong)
+        return [master.status() for master in self.masters]
+
     def release_owned_by(self, key: str, field: str, value: str) -> bool:
         """Delete the lock on ``key`` if its metadata says ``field == value``.
 
@@ -322,17 +346,12 @@ class Redlock:
         with self._lane() as lane:
             result = self._round(lane, [payload] * len(self.masters))
         deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
-        if result.errors:
-            logger.warning(
-                "release of %r owned by %s=%s: not reached: %s",
-                key,
-                field,
-                value,
-                self._errors(result),
-            )
+        self._note_unreached(result)
         return deleted >= self.quorum
 
-    def claim(self, key: str, suffix: str, value: str, ttl: float) -> tuple[str, bool]:
+    def claim(
+        self, key: str, suffix: str, value: str, ttl: float, *, guards_exclusion: bool = True
+    ) -> tuple[str, bool]:
         """Set ``<prefix>:{key}:<suffix>`` to ``value`` on a quorum unless somebody has.
 
         Returns ``(holder, fresh)``: the value that holds a quorum afterwards
@@ -343,6 +362,11 @@ class Redlock:
         :class:`QuorumUnavailable` when too few masters answer and
         :class:`LockContended` when racing claims never settle. ``suffix`` may not
         be one the lock itself uses (``meta``, ``fence``); ``ttl`` is in (0, 400 days].
+
+        ``guards_exclusion=False`` says losing the claim to a master restart costs no
+        safety (an enqueue-dedupe marker: a duplicate publish is still kept apart by the
+        run-time lock), so its TTL does not lengthen a restarted master's quarantine;
+        a beat occurrence claim does guard "sent once" and keeps the default.
         """
         name = self._claim_name(key, suffix)
         ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
@@ -370,7 +394,7 @@ class Redlock:
                     return any(c >= q for h, c in votes.items() if h is not None)
 
                 payloads = [None if i in quarantined else payload for i in range(n)]
-                result = self._round(lane, payloads, decided)
+                result = self._round(lane, payloads, decided, valid=_claim_replies)
                 votes: dict[bytes, int] = {}
                 fresh = 0
                 for i, x in enumerate(result.replies):
@@ -380,6 +404,8 @@ class Redlock:
                         fresh += x is not None and x[0] == 1
                 winner = next((h for h, c in votes.items() if c >= q), None)
                 if winner == ours:
+                    if guards_exclusion:
+                        self._granted(ttl)
                     return value, fresh >= q
                 mine = {
                     i
@@ -443,7 +469,7 @@ class Redlock:
             return ayes >= q or noes > n - q
 
         with self._lane() as lane:
-            result = self._round(lane, [payload] * n, decided)
+            result = self._round(lane, [payload] * n, decided, valid=_get_replies)
         ayes, noes = count(result)
         if ayes >= q or noes > n - q:
             return ayes >= q
@@ -496,7 +522,7 @@ class Redlock:
     # -- lanes -------------------------------------------------------------------
 
     def _new_lane(self) -> Lane:
-        return Lane([Link(m) for m in self.masters])
+        return Lane([Link(m) for m in self.masters], self._clock)
 
     def _lane(self, lane: Lane | None = None) -> Lane:
         """A lane for one operation, locked: ``with self._lane() as lane: ...``.
@@ -506,17 +532,55 @@ class Redlock:
         ``__exit__`` unlocks it, rather than a generator context manager: this runs
         twice per acquire+release.)
         """
-        if lane is None:
-            for candidate in self._lanes:
-                if candidate.lock.acquire(blocking=False):
-                    return candidate
-            lane = self._new_lane()
+        if lane is not None:
             lane.lock.acquire()
-            with self._lanes_lock:
-                self._lanes.append(lane)
-            return lane
+            if not lane.retired:
+                return lane
+            # Closed as idle since (a lease's release on its acquire's lane): its
+            # connections, and with them the order of its commands, are gone anyway.
+            lane.lock.release()
+        lanes = self._lanes
+        if len(lanes) > IDLE_LANES_KEPT and self._clock() >= self._prune_at:
+            self._close_idle_lanes()
+        for candidate in lanes:
+            if candidate.lock.acquire(blocking=False):
+                if not candidate.retired:
+                    return candidate
+                candidate.lock.release()
+        lane = self._new_lane()
         lane.lock.acquire()
+        with self._lanes_lock:
+            self._lanes.append(lane)
         return lane
+
+    def _close_idle_lanes(self) -> None:
+        """Close idle lanes beyond :data:`IDLE_LANES_KEPT` once idle :data:`LANE_IDLE` s.
+
+        A burst of N threads opens N lanes (N connections per master); this gives them
+        back. The first lanes of the list are the ones taken first, so the kept ones
+        are the busiest. A closed lane is retired: its connections (and any late
+        replies they owed) are dropped, and it is never handed out again.
+        """
+        now = self._clock()
+        self._prune_at = now + min(LANE_IDLE, 1.0) / 4
+        kept = 0
+        retired: list[Lane] = []
+        with self._lanes_lock:
+            for lane in list(self._lanes):
+                if not lane.lock.acquire(blocking=False):
+                    continue  # busy
+                if kept < IDLE_LANES_KEPT or now - lane.idle_since < LANE_IDLE:
+                    kept += 1
+                    lane.lock.release()
+                    continue
+                lane.retired = True
+                retired.append(lane)
+            if retired:
+                self._lanes = [lane for lane in self._lanes if not lane.retired]
+        for lane in retired:
+            for link in lane.links:
+                link.close()
+            lane.lock.release()
 
     def _drift(self, ttl: float) -> float:
         return ttl * self.clock_drift_factor + 0.002
@@ -527,7 +591,7 @@ class Redlock:
             return out  # the usual case, on every round: no master was ever seen to restart
         period = self.restart_quarantine
         if period is None:
-            period = self._max_ttl
+            period = master_mod.longest_granted_ttl()
         for i, master in enumerate(self.masters):
             if master.restarted_at is not None and now < master.restarted_at + period:
                 out.add(i)
@@ -542,7 +606,14 @@ class Redlock:
         wait_on_down: bool = False,
         awaiting: Mapping[int, Slot] | None = None,
         wait: bool = True,
+        valid: Validator | None = None,
     ) -> RoundResult:
+        """One round on ``lane`` (see :func:`.fanout.run_round`).
+
+        ``valid`` says what replies to accept from a master; by default those of our
+        scripts (an int, maybe followed by a fence pair). Any other reply counts as
+        that master failing, never as a vote.
+        """
         spin_wait = self.spin_wait
         spin = spin_wait if spin_wait and self._reply_wait <= spin_wait else 0.0
         result = run_round(
@@ -556,6 +627,7 @@ class Redlock:
             awaiting=awaiting,
             spin=spin,
             wait=wait,
+            valid=valid or _script_replies,
         )
         if result.waited and spin_wait:
             # Polling pays while rounds usually wait no longer than spin_wait. A long
@@ -564,15 +636,12 @@ class Redlock:
             # only blur the average.)
             waited = min(result.waited, 4 * spin_wait)
             self._reply_wait += (waited - self._reply_wait) / 8
-        for i, replies in enumerate(result.replies):
-            if replies and ReplyError in map(type, replies):
-                error = next(r for r in replies if isinstance(r, ReplyError))
-                if "NOSCRIPT" in str(error):
-                    # Scripts flushed on the master: reconnecting loads them again.
-                    lane.links[i].close()
-                result.replies[i] = None
-                result.errors[i] = f"error reply: {error}"
         return result
+
+    def _note_unreached(self, result: RoundResult) -> None:
+        """Count the masters a release could not reach; their logging is rate-limited."""
+        for i, error in result.errors.items():
+            self.masters[i].note_unreached(error)
 
     def _errors(
         self, result: RoundResult, extra: Mapping[int, str] | None = None
@@ -743,13 +812,20 @@ class Redlock:
             result = self._round(lane, [payload] * n, decided, wait=wait)
         deleted, refused = count(result)
         if result.errors:
-            logger.warning(
-                "released %r on %d of %d masters; not reached: %s",
-                lease.key,
-                deleted,
-                len(self.masters),
-                self._errors(result),
-            )
+            # Per master, rate-limited: a master that stays down must not cost a log
+            # line per release (thousands a second).
+            self._note_unreached(result)
+            if wait and deleted < q:
+                # No quorum confirmed: this lock outlives the call (until its TTL).
+                logger.warning(
+                    "released %r on %d of %d masters, %d needed; it expires by itself "
+                    "on the others; not reached: %s",
+                    lease.key,
+                    deleted,
+                    len(self.masters),
+                    q,
+                    self._errors(result),
+                )
         return deleted >= q, refused > n - q
 
     def _extend(self, lease: Lease, ttl: float) -> None:
@@ -833,7 +909,7 @@ class Redlock:
                 # No early stop at the first quorum: the token must exceed the counter
                 # on every master that answers (a previous token lives on a majority,
                 # which may not be the one that accepts this proposal first).
-                result = self._round(lane, [payload] * n)
+                result = self._round(lane, [payload] * n, valid=_fence_replies)
                 quarantined |= self._quarantined(self._clock())
             accepted, not_owner, higher = _fence_votes(
                 [x[0] if x else None for x in result.replies], proposal, quarantined
@@ -929,20 +1005,20 @@ class Redlock:
                 if fragment is None:
                     lock_key, meta_key, _ = self._keys(lease.key)
                     fragment = lease._renew_fragment = (
-                        pack_args((lock_key, meta_key)),
-                        pack_args((lease.token,)),
+                        wire_fragment((lock_key, meta_key)),
+                        wire_fragment((lease.token,)),
                     )
                 keys.append(fragment[0])
                 args.append(fragment[1])
                 ttl_arg = ttl_args.get(ttl)
                 if ttl_arg is None:
-                    ttl_arg = ttl_args[ttl] = pack_args((max(1, int(ttl * 1000)),))
+                    ttl_arg = ttl_args[ttl] = wire_fragment((max(1, int(ttl * 1000)),))
                 args.append(ttl_arg)
-                args.append(pack_args((number,)))
+                args.append(wire_fragment((number,)))
             commands.append(
                 b"*%d\r\n" % (3 + 5 * len(chunk))
                 + scripts.EXTEND_MANY.head
-                + pack_args((2 * len(chunk),))
+                + wire_fragment((2 * len(chunk),))
                 + b"".join(keys)
                 + b"".join(args)
             )
@@ -951,7 +1027,7 @@ class Redlock:
             self._renew_lane = self._new_lane()
         with self._lane(self._renew_lane) as lane:
             quarantined = self._quarantined(start)
-            result = self._round(lane, [payload] * n)
+            result = self._round(lane, [payload] * n, valid=_renew_replies)
             quarantined |= self._quarantined(self._clock())
         count = len(leases)
         ok = [0] * count
@@ -1022,6 +1098,45 @@ def _fence_votes(
         if value >= proposal:
             higher.append(value)
     return accepted, not_owner, higher
+
+
+def _script_replies(replies: list[object]) -> bool:
+    """Replies of ACQUIRE, RELEASE, RELEASE_OWNER, EXTEND, UNCLAIM (an int), each maybe
+    followed by FENCE's (a list of two ints), as the acquire round sends them."""
+    if type(replies[0]) is not int:
+        return False
+    return len(replies) == 1 or all(_fence_reply(x) for x in replies[1:])
+
+
+def _fence_reply(reply: object) -> bool:
+    return (
+        isinstance(reply, list)
+        and len(reply) == 2
+        and type(reply[0]) is int
+        and type(reply[1]) is int
+    )
+
+
+def _pong(replies: list[object]) -> bool:
+    return replies == [b"PONG"]
+
+
+def _fence_replies(replies: list[object]) -> bool:
+    return all(_fence_reply(x) for x in replies)
+
+
+def _claim_replies(replies: list[object]) -> bool:
+    """CLAIM returns 1 or the value that holds the claim."""
+    return all(type(x) is int or isinstance(x, bytes) for x in replies)
+
+
+def _get_replies(replies: list[object]) -> bool:
+    return all(x is None or isinstance(x, bytes) for x in replies)
+
+
+def _renew_replies(replies: list[object]) -> bool:
+    """EXTEND_MANY returns a string of '0' and '1', one per lease."""
+    return all(isinstance(x, bytes) and not x.strip(b"01") for x in replies)
 
 
 def _flags(replies: list[object] | None) -> bytes | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .resp import pack_args
+from .wire import fragment, pack_command
 
 __all__ = [
     "ACQUIRE",
@@ -37,16 +37,19 @@ class Script:
     #: the SHA1 that EVALSHA names the script by (computed once: it is on the hot path)
     sha: str = field(init=False, repr=False)
     #: ``EVALSHA <sha>`` as RESP bulk strings, the constant start of every call
+    #: (for callers that assemble a call from fragments, see :func:`.wire.fragment`)
     head: bytes = field(init=False, repr=False)
+    _sha_bytes: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sha = hashlib.sha1(self.source.encode()).hexdigest()
         object.__setattr__(self, "sha", sha)
-        object.__setattr__(self, "head", b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode())
+        object.__setattr__(self, "_sha_bytes", sha.encode())
+        object.__setattr__(self, "head", fragment((b"EVALSHA", sha)))
 
     def call(self, numkeys: int, *args: str | int) -> bytes:
         """One ``EVALSHA`` of this script, RESP-encoded: ``numkeys`` keys, then ``args``."""
-        return b"*%d\r\n" % (len(args) + 3) + self.head + pack_args((numkeys, *args))
+        return pack_command((b"EVALSHA", self._sha_bytes, numkeys, *args))
 
 
 #: KEYS[1] lock, KEYS[2] metadata hash, KEYS[3] companion key (see ARGV[3]).

@@ -60,11 +60,14 @@ def _fresh_master_identities() -> None:
     """Each test's masters are new servers, but ports are reused within a session, and a
     process that saw another server at the same address takes the new one for a restarted
     master and keeps it out of the quorum for a while (as it should in production): forget
-    what earlier tests saw, so that every test starts as a fresh deployment."""
+    what earlier tests saw (run_ids, restarts, the longest TTL granted: all process-wide),
+    so that every test starts as a fresh deployment."""
     from celery_redlock.lock import master
 
     with master._known_lock:
         master._known_run_ids.clear()
+        master._restarted_at.clear()
+        master._longest_granted = 0.0
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from celery_redlock.lock import Lease, Redlock
 from celery_redlock.lock.fanout import Lane, RoundResult
 from celery_redlock.lock.lease import HELD, RELEASED
 from celery_redlock.lock.master import Slot
-from celery_redlock.lock.resp import pack
+from celery_redlock.lock.wire import pack
 
 from .history import History, ns
 

@@ -38,6 +38,7 @@ __all__ = [
     "blackhole",
     "clean_state",
     "command_calls",
+    "forget_masters",
     "keys_on",
     "lock_name",
     "make_redlock",
@@ -97,13 +98,13 @@ def make_redlock(masters: Sequence[Any], **kwargs: Any) -> Redlock:
 def clean_state() -> Iterator[None]:
     """Body of each module's autouse fixture.
 
-    Before: forget the run_ids this process has seen. They are kept per master address
-    for the whole process (so a new client still notices a restart), and a port that
-    a later test's server happens to reuse would otherwise look like a restarted master
-    and be kept out of the quorum.
+    Before: forget the run_ids, restarts and TTLs this process has seen (see
+    :func:`forget_masters`). They are kept per master address for the whole process (so
+    a new client still notices a restart), and a port that a later test's server happens
+    to reuse would otherwise look like a restarted master and be kept out of the quorum.
     After: stop renewing leases a failed test left behind, close every client made here.
     """
-    master_module._known_run_ids.clear()
+    forget_masters()
     yield
     made = set(map(id, _made))
     current = heartbeat._engine
@@ -114,7 +115,18 @@ def clean_state() -> Iterator[None]:
     for rl in _made:
         rl.close()
     _made.clear()
+    forget_masters()
+
+
+def forget_masters() -> None:
+    """Forget what this process learnt of masters: run_ids, restarts, the longest TTL granted.
+
+    All three are process-wide on purpose (a new client still keeps a restarted master
+    out); between tests they would leak one test's servers and TTLs into the next.
+    """
     master_module._known_run_ids.clear()
+    master_module._restarted_at.clear()
+    master_module._longest_granted = 0.0
 
 
 def lock_name(key: str, suffix: str | None = None) -> str:

@@ -140,10 +140,17 @@ def test_contended_and_unavailable_are_told_apart(masters: Masters) -> None:
     down = len(masters) // 2
     for server in masters[:down]:
         server.kill()
-    for _ in range(3 if down else 0):  # the first sees broken links, later ones refusals
+    for attempt in range(3 if down else 0):  # the first sees broken links, later ones refusals
         with pytest.raises(LockContended) as contended:
             other.acquire("apart", 10)
-        assert set(contended.value.errors) == {s.url for s in masters[:down]}
+        named = set(contended.value.errors)
+        if attempt == 0:
+            # A send on a broken link may still succeed; the round then decides on the
+            # others' replies before the link's EOF is read: it was not waited for.
+            assert named
+            assert named <= {s.url for s in masters[:down]}
+        else:
+            assert named == {s.url for s in masters[:down]}
 
     # A majority down: unavailable, whoever holds the key.
     masters[down].kill()
