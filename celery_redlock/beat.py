@@ -49,7 +49,7 @@ from celery.utils import uuid
 from . import signals
 from .client import redlock_for
 from .exceptions import LockContended, QuorumUnavailable, RedlockError
-from .lock import Lease
+from .lock import Lease, limits
 from .settings import get_settings
 from .task import drop_held_duplicate
 
@@ -160,6 +160,18 @@ class BeatLeader:
             self._try_lead()
 
 
+def _guard_window(lease_ttl: float) -> float:
+    """How long an occurrence claim guards "sent once" against a master restart.
+
+    A beat claims an occurrence when it falls due, or (catching up after a takeover)
+    within the window it looks back over: a few lease periods. A restarted master that
+    lost the claim is kept out of the quorum that long (restart quarantine), not for the
+    claim's whole TTL (an hour or more, kept only to let workers drop a second delivery).
+    """
+    poll_interval = min(1.0, lease_ttl / 10)  # as BeatLeader's
+    return min(limits.MAX_TTL, 4 * (lease_ttl + 2 * poll_interval))
+
+
 def occurrence_of(
     redlock: Any, entry: Any, now: dt.datetime, anchors: dict[str, tuple[float, float]]
 ) -> tuple[str, float | None]:
@@ -180,6 +192,7 @@ def occurrence_of(
                     f"{ANCHOR_SUFFIX}:{interval:g}",
                     f"{timestamp:.6f}",
                     max(ANCHOR_TTL, 100 * interval),
+                    guard_for=0,
                 )
                 cached = (float(holder), interval)
                 anchors[entry.name] = cached
@@ -275,7 +288,11 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             occurrence, aligned = occurrence_of(redlock, entry, now, anchors)
             claim_ttl = _claim_ttl(entry)
             holder, fresh = redlock.claim(
-                f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
+                f"beat:{occurrence}",
+                CLAIM_SUFFIX,
+                leader.identity,
+                claim_ttl,
+                guard_for=_guard_window(leader.lease_ttl),
             )
         except RedlockError as exc:
             _not_sent(entry.name, None, f"cannot claim it: {exc}")
@@ -366,7 +383,11 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         """
         try:
             holder, _ = redlock.claim(
-                f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity, claim_ttl
+                f"beat:{occurrence}",
+                CLAIM_SUFFIX,
+                leader.identity,
+                claim_ttl,
+                guard_for=_guard_window(leader.lease_ttl),
             )
         except RedlockError as exc:
             _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
@@ -406,7 +427,11 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         task_id = uuid()
         try:
             holder, fresh = redlock.claim(
-                f"beat:{occurrence}", RUN_SUFFIX, task_id, settings.dedupe_ttl
+                f"beat:{occurrence}",
+                RUN_SUFFIX,
+                task_id,
+                settings.dedupe_ttl,
+                guard_for=_guard_window(leader.lease_ttl),
             )
         except RedlockError as exc:
             _not_sent(name, occurrence, f"cannot claim its run: {exc}")
@@ -477,8 +502,13 @@ def is_duplicate_occurrence(app: Any, occurrence: str, task_id: str) -> bool:
     """
     redlock = redlock_for(app)
     try:
+        settings = get_settings(app)
         holder, _ = redlock.claim(
-            f"beat:{occurrence}", RUN_SUFFIX, task_id, get_settings(app).dedupe_ttl
+            f"beat:{occurrence}",
+            RUN_SUFFIX,
+            task_id,
+            settings.dedupe_ttl,
+            guard_for=_guard_window(settings.beat_lease_ttl),
         )
     except RedlockError as exc:
         logger.warning("cannot check beat occurrence %s: %s; running it", occurrence, exc)

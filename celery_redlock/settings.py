@@ -524,7 +524,7 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "contention_backoff": _backoff,
     "max_contention_retries": _retries,
     "dedupe": lambda v: _choice(v, ("queued", "active", None)),
-    "dedupe_ttl": lambda v: _seconds(v, 0.0, limits.MAX_CLAIM_TTL),
+    "dedupe_ttl": lambda v: _seconds(v, 0.0, limits.MAX_DEDUPE_TTL),
     "on_lock_lost": lambda v: _choice(v, ("log", "interrupt")),
     "outage_backoff": _backoff,
     "beat_leader": _bool,

@@ -296,7 +296,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 DEDUPE_SUFFIX,
                 task_id,
                 settings.dedupe_ttl + _delay_of(options),
-                guards_exclusion=False,
+                guard_for=0,
             )
         except (QuorumUnavailable, LockContended) as exc:
             logger.warning("dedupe of %s skipped, publishing %s anyway: %s", key, task_id, exc)
@@ -609,9 +609,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         try:
             key = opts.lock_key(args, kwargs)
             ttl = get_settings(self.app).dedupe_ttl + _delay_of(options)
-            holder, _ = redlock_for(self.app).claim(
-                key, DEDUPE_SUFFIX, task_id, ttl, guards_exclusion=False
-            )
+            holder, _ = redlock_for(self.app).claim(key, DEDUPE_SUFFIX, task_id, ttl, guard_for=0)
         except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
             logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
             return

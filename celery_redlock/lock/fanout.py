@@ -23,7 +23,6 @@ at the same CPU per cycle). The caller decides when polling pays off (see
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import waiting
 from .master import Link, Slot
 from .wire import ReplyError
 
@@ -241,6 +241,11 @@ def run_round(
             if slot.done:
                 accept(i, slot)
                 del pending[i]
+            elif link.master.down:
+                # Well-formed replies to an earlier round came in: the master answers
+                # again, so it is waited for (a master known down is only polled, and
+                # behind any latency its own reply would never be in time to mark it up).
+                link.master.mark_up()
         if timeout == 0.0 and not ready:
             break
     if waited:
@@ -277,7 +282,7 @@ def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> lis
         by_sock[sock] = i
     if ready:
         return ready
-    readable, _, _ = select.select(list(by_sock), [], [], timeout)
+    readable = waiting.readable(list(by_sock), timeout)
     return [by_sock[sock] for sock in readable]
 
 
@@ -341,7 +346,7 @@ def _connect_all(
             timeout = deadline - clock()
             if timeout <= 0:
                 break
-            _, writable, _ = select.select([], list(connecting), [], timeout)
+            writable = waiting.writable(list(connecting), timeout)
             for sock in writable:
                 i, conn = connecting.pop(sock)
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):

@@ -33,6 +33,7 @@ import heapq
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,6 +61,8 @@ EXIT_BUDGET = 2.0
 MAX_WAIT = 60.0
 #: Seconds until the engine tries again a lease whose holder was extending it.
 BUSY_RETRY = 0.01
+#: Seconds a client's renewal thread (only with several clients) waits for work, then ends.
+RENEWER_IDLE = 60.0
 
 
 class Heartbeat:
@@ -73,6 +76,10 @@ class Heartbeat:
         self._active: dict[int, Lease] = {}
         #: per lease, the sequence number of its one live heap entry (others are stale)
         self._entry: dict[int, int] = {}
+        #: per client (``id(redlock)``), how many of its leases are renewed: with more than
+        #: one client, each client's rounds run on a thread of its own (see _tick)
+        self._clients: dict[int, int] = {}
+        self._renewers: dict[int, queue.SimpleQueue[list[Lease]]] = {}
         #: leases no longer renewed (max_hold reached), to mark lost at their deadline
         self._ending: dict[int, str] = {}
         self._thread: threading.Thread | None = None
@@ -98,7 +105,10 @@ class Heartbeat:
         """Start renewing ``lease`` every ``lease.renew_every`` seconds."""
         due = self._clock() + lease.renew_every
         with self._cond:
-            self._active[id(lease)] = lease
+            if self._active.get(id(lease)) is not lease:
+                self._active[id(lease)] = lease
+                client = id(lease.redlock)
+                self._clients[client] = self._clients.get(client, 0) + 1
             self._push(due, lease)
             self._shortest = min(self._shortest, lease.renew_every)
             if self._thread is None or not self._thread.is_alive():
@@ -167,6 +177,12 @@ class Heartbeat:
                 del self._active[id(lease)]
                 self._entry.pop(id(lease), None)
                 self._ending.pop(id(lease), None)
+                client = id(lease.redlock)
+                left = self._clients.get(client, 1) - 1
+                if left:
+                    self._clients[client] = left
+                else:
+                    self._clients.pop(client, None)
             heap, active = self._heap, self._active
             if len(heap) > 2 * len(active) + COMPACT_SLACK:
                 heap[:] = [entry for entry in heap if self._live(entry)]
@@ -235,9 +251,15 @@ class Heartbeat:
         acquisition (a tick schedules all the leases it renewed at once)."""
         with self._cond:
             active = self._active
+            earliest = float("inf")
             for due, lease in entries:
                 if active.get(id(lease)) is lease:
                     self._push(due, lease)
+                    earliest = min(earliest, due)
+            if earliest < self._wake_at:
+                # Scheduled from a client's renewal thread (see _tick) while the engine
+                # sleeps past it: wake it. (While it ticks, _wake_at is -inf: it looks.)
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
@@ -269,67 +291,115 @@ class Heartbeat:
         groups: dict[int, tuple[Redlock, list[Lease]]] = {}
         for lease in due:
             groups.setdefault(id(lease.redlock), (lease.redlock, []))[1].append(lease)
+        with self._cond:
+            several = len(self._clients) > 1
+        if not several:
+            for redlock, leases in groups.values():
+                self._renew_group(redlock, leases)
+            return
+        # Leases of several clients (sets of masters) are renewed: each client's rounds run
+        # on a thread of its own, so one client's slow master (a round or a connect waits
+        # up to its node_timeout) never holds up the renewal of another client's leases.
+        # This thread only hands them over; the leases come back to the heap when done.
         for redlock, leases in groups.values():
-            now = self._clock()
-            renew: list[Lease] = []
-            ttls: list[float] = []
-            for lease in leases:
-                if lease.state != HELD:
-                    self.remove(lease)
-                    continue
-                ending = self._ending.get(id(lease))
-                if ending is not None:
-                    if now >= lease.deadline:
-                        self.remove(lease)
-                        lease._lose(ending)
-                    else:
-                        self._schedule(lease, lease.deadline)
-                    continue
-                if now >= lease.deadline:
-                    # Its validity ended (renewals failed until now, or this thread ran
-                    # late): it already reads as not held, and stays so. A renewal now
-                    # could still find the key and bring it back, unannounced.
-                    self.remove(lease)
-                    lease._lose("could not renew before its validity ended: renewal came late")
-                    continue
-                ttl = lease.ttl
-                if lease.max_hold is not None:
-                    left = lease.acquired_at + lease.max_hold - now
-                    if left < ttl:
-                        ttl = left
-                    if ttl <= redlock.node_timeout:
-                        # max_hold reached: stop renewing; the lease expires on its own.
-                        self._expire_at_deadline(lease, "max_hold reached")
-                        continue
-                if not lease._ext_lock.acquire(blocking=False):
-                    # Its holder is extending it right now: renew it a moment later.
-                    self._schedule(lease, now + BUSY_RETRY)
-                    continue
-                renew.append(lease)
-                ttls.append(ttl)
-            if not renew:
-                continue
+            self._renewer(redlock).put(leases)
+
+    def _renewer(self, redlock: Redlock) -> queue.SimpleQueue[list[Lease]]:
+        with self._cond:
+            found = self._renewers.get(id(redlock))
+            if found is None:
+                found = self._renewers[id(redlock)] = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._run_renewer,
+                    args=(redlock, found),
+                    name="redlock-heartbeat-client",
+                    daemon=True,
+                ).start()
+            return found
+
+    def _run_renewer(self, redlock: Redlock, work: queue.SimpleQueue[list[Lease]]) -> None:
+        while True:
             try:
-                outcomes = redlock._renew_many(renew, ttls)
-            except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
-                logger.warning("renewal round failed: %s", exc)
-                outcomes = [f"renewal round failed: {exc}"] * len(renew)
-            finally:
-                for lease in renew:
-                    lease._ext_lock.release()
-            now = self._clock()
-            renewed: list[Lease] = []
-            for lease, outcome in zip(renew, outcomes, strict=True):
-                if lease.state != HELD:
+                leases = work.get(timeout=RENEWER_IDLE)
+            except queue.Empty:
+                with self._cond:
+                    if work.empty():  # nothing was handed over meanwhile: retire
+                        self._renewers.pop(id(redlock), None)
+                        return
+                continue
+            self._renew_group_guarded(redlock, leases)
+
+    def _renew_group_guarded(self, redlock: Redlock, leases: list[Lease]) -> None:
+        try:
+            self._renew_group(redlock, leases)
+        except Exception:
+            logger.exception("renewal of %d leases failed; retrying them shortly", len(leases))
+            with contextlib.suppress(Exception):
+                self._schedule_many((self._clock() + 0.05, lease) for lease in leases)
+
+    def _renew_group(self, redlock: Redlock, leases: list[Lease]) -> None:
+        """Renew the due ``leases`` of one client in one round."""
+        now = self._clock()
+        renew: list[Lease] = []
+        ttls: list[float] = []
+        for lease in leases:
+            if lease.state != HELD:
+                self.remove(lease)
+                continue
+            ending = self._ending.get(id(lease))
+            if ending is not None:
+                if now >= lease.deadline:
                     self.remove(lease)
-                elif outcome == "ok":
-                    renewed.append(lease)
-                elif outcome == "gone":
-                    self.remove(lease)
-                    lease._lose("a quorum of masters no longer knows this holder")
+                    lease._lose(ending)
                 else:
-                    self._retry(lease, now, outcome)
-            self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
+                    self._schedule(lease, lease.deadline)
+                continue
+            if now >= lease.deadline:
+                # Its validity ended (renewals failed until now, or this thread ran
+                # late): it already reads as not held, and stays so. A renewal now
+                # could still find the key and bring it back, unannounced.
+                self.remove(lease)
+                lease._lose("could not renew before its validity ended: renewal came late")
+                continue
+            ttl = lease.ttl
+            if lease.max_hold is not None:
+                left = lease.acquired_at + lease.max_hold - now
+                if left < ttl:
+                    ttl = left
+                if ttl <= redlock.node_timeout:
+                    # max_hold reached: stop renewing; the lease expires on its own.
+                    self._expire_at_deadline(lease, "max_hold reached")
+                    continue
+            if not lease._ext_lock.acquire(blocking=False):
+                # Its holder is extending it right now: renew it a moment later.
+                self._schedule(lease, now + BUSY_RETRY)
+                continue
+            renew.append(lease)
+            ttls.append(ttl)
+        if not renew:
+            return
+        try:
+            outcomes = redlock._renew_many(renew, ttls)
+        except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
+            logger.warning("renewal round failed: %s", exc)
+            outcomes = [f"renewal round failed: {exc}"] * len(renew)
+        finally:
+            for lease in renew:
+                lease._ext_lock.release()
+        now = self._clock()
+        renewed: list[Lease] = []
+        for lease, outcome in zip(renew, outcomes, strict=True):
+            if lease.state != HELD:
+                self.remove(lease)
+            elif outcome == "ok":
+                renewed.append(lease)
+            elif outcome == "gone":
+                self.remove(lease)
+                lease._lose("a quorum of masters no longer knows this holder")
+            else:
+                self._retry(lease, now, outcome)
+        self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
+        with self._cond:
             self.renewals += len(renewed)
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:

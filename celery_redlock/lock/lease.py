@@ -48,6 +48,7 @@ class Lease:
     __slots__ = (
         "__weakref__",
         "_callbacks",
+        "_clear_on_release",
         "_deadline",
         "_eager_fence",
         "_ext_lock",
@@ -62,7 +63,6 @@ class Lease:
         "_state",
         "acquired_at",
         "auto_renew",
-        "clear_on_release",
         "key",
         "lost_reason",
         "max_hold",
@@ -98,7 +98,7 @@ class Lease:
         self.auto_renew = auto_renew
         #: ``(suffix, value)``: on release, also delete ``<prefix>:{key}:<suffix>``
         #: where it holds ``value`` (same atomic step)
-        self.clear_on_release: tuple[str, str] | None = None
+        self._clear_on_release: tuple[str, str] | None = None
         #: why the lease was lost, once it is
         self.lost_reason: str | None = None
         self._deadline = deadline
@@ -131,6 +131,19 @@ class Lease:
 
     def __repr__(self) -> str:
         return f"<Lease {self.key!r} {self.state} remaining={self.remaining():.3f}s>"
+
+    @property
+    def clear_on_release(self) -> tuple[str, str] | None:
+        """``(suffix, value)``: on release, also delete ``<prefix>:{key}:<suffix>`` where it
+        holds ``value`` (same atomic step). Checked when set (``ValueError`` for the lock's
+        own suffixes), so that release itself never raises for it."""
+        return self._clear_on_release
+
+    @clear_on_release.setter
+    def clear_on_release(self, companion: tuple[str, str] | None) -> None:
+        if companion is not None:
+            self.redlock._check_companion(companion)
+        self._clear_on_release = companion
 
     @property
     def state(self) -> str:
@@ -252,16 +265,18 @@ class Lease:
                 return
         dispatch_lost(self, [callback])
 
-    def _begin_extension(self, validity_end: float) -> int:
+    def _begin_extension(self, validity_end: float, now: float) -> int:
         """Number the extension about to be sent and lower the deadline to its end.
 
         ``validity_end`` is what the extension gives if confirmed (``sent + ttl -
         drift``). Until it is, the masters that apply it may expire the key that soon, so
         the deadline becomes the earlier of the two. Returns the extension's number, 0
-        when the lease is no longer held (nothing to send).
+        when the lease is no longer held at ``now``, the time the extension is measured
+        from (nothing to send: a lease whose validity ended never reads held again, even
+        if its key is still on the masters).
         """
         with self._mutex:
-            if self._state != HELD:
+            if self._state != HELD or now >= self._deadline:
                 return 0
             self._ext_sent += 1
             if validity_end < self._deadline:

@@ -17,6 +17,7 @@ __all__ = [
     "DAY",
     "MAX_BLOCKING_TIMEOUT",
     "MAX_CLAIM_TTL",
+    "MAX_DEDUPE_TTL",
     "MAX_DRIFT",
     "MAX_FENCE_TTL",
     "MAX_HOLD",
@@ -45,9 +46,12 @@ MAX_NODE_TIMEOUT: Final = 60.0
 MAX_BLOCKING_TIMEOUT: Final = 7 * DAY
 #: The longest ``max_hold`` (the cap on an auto-renewed lease's whole life).
 MAX_HOLD: Final = 30 * DAY
-#: Claims (enqueue-dedupe markers, beat occurrence claims) and fence counters.
-MAX_CLAIM_TTL: Final = 400 * DAY
+#: Claims (enqueue-dedupe markers, beat occurrence claims, beat anchors: these outlive any
+#: deployment, 10 years or 100 intervals) and fence counters.
+MAX_CLAIM_TTL: Final = 36500 * DAY
 MAX_FENCE_TTL: Final = 400 * DAY
+#: ``redlock_dedupe_ttl``: how long an enqueue-dedupe marker lives when nothing clears it.
+MAX_DEDUPE_TTL: Final = 400 * DAY
 #: ``restart_quarantine``: how long a restarted master may be kept out of the quorum.
 MAX_QUARANTINE: Final = 7 * DAY
 #: ``spin_wait``: polling for replies without sleeping; also below ``node_timeout``.

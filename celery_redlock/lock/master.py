@@ -15,7 +15,6 @@ import errno
 import inspect
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -30,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
-from . import wire
+from . import waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -81,6 +80,10 @@ restarts_seen = False
 #: shared by every Redlock in this process: a client created after the restart keeps the
 #: master out of its quorum as long as the one that saw it does
 _restarted_at: dict[str, float] = {}
+#: the same, by the restarted server's new run_id: a client that reaches that server under
+#: another name (``localhost`` for ``127.0.0.1``) never saw its old run_id, and must keep
+#: it out all the same
+_restarted_run_ids: dict[str, float] = {}
 #: the longest TTL of a lease or claim granted in this process (seconds): how long a
 #: restarted master stays out of the quorum (see :func:`note_granted_ttl`)
 _longest_granted = 0.0
@@ -276,7 +279,11 @@ class Master:
     @property
     def restarted_at(self) -> float | None:
         """Monotonic time this master was last seen to restart in this process, or None."""
-        return _restarted_at.get(self.name)
+        by_name = _restarted_at.get(self.name)
+        by_run_id = _restarted_run_ids.get(self.run_id) if self.run_id else None
+        if by_name is None or by_run_id is None:
+            return by_name if by_run_id is None else by_run_id
+        return max(by_name, by_run_id)
 
     def new_connection(self) -> Any:
         return self._connection_class(**self._connection_kwargs)
@@ -333,8 +340,12 @@ class Master:
         )
         return redis.Redis(connection_pool=pool)
 
-    def note_run_id(self, run_id: str, now: float) -> None:
+    def note_run_id(self, run_id: str, now: float, peer: str | None = None) -> None:
         """Record the run_id seen on a fresh connection; a change means a restart.
+
+        ``peer`` is the address the connection reached (``ip:port``, or the socket path):
+        the run_id last seen there counts too, so a client that names the server another
+        way (``localhost`` for ``127.0.0.1``) still notices that it restarted.
 
         Raises :class:`DuplicateMaster` when another master of the same client has this
         run_id: both names lead to one server, which must count once. This one is then
@@ -352,8 +363,14 @@ class Master:
             was = self.duplicate_of
             self.duplicate_of = twin
             if twin is None:
-                previous = self.run_id or _known_run_ids.get(self.name)
+                previous = (
+                    self.run_id
+                    or _known_run_ids.get(self.name)
+                    or (_known_run_ids.get(peer) if peer else None)
+                )
                 _known_run_ids[self.name] = run_id
+                if peer:
+                    _known_run_ids[peer] = run_id
                 self.run_id = run_id
         if twin is not None:
             if was is not twin:
@@ -376,6 +393,7 @@ class Master:
             global restarts_seen
             restarts_seen = True
             _restarted_at[self.name] = now
+            _restarted_run_ids[run_id] = now
             logger.warning(
                 "master %s restarted (run_id %s -> %s): keeping it out of the quorum "
                 "for the longest lock TTL in use",
@@ -688,7 +706,7 @@ class Link:
                     raise ConnectionError(f"SCRIPT LOAD failed: {reply}")
             run_id = _parse_run_id(info)
             if run_id:
-                self.master.note_run_id(run_id, now)
+                self.master.note_run_id(run_id, now, _peer_of(self.sock))
         except BaseException:
             self.close()
             raise
@@ -740,7 +758,7 @@ class Link:
         deadline = time.monotonic() + self.master.node_timeout
         while rest:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
+            if remaining <= 0 or not waiting.writable([sock], remaining):
                 raise TimeoutError(f"could not send within {self.master.node_timeout}s")
             try:
                 rest = rest[sock.send(rest) :]
@@ -757,8 +775,7 @@ class Link:
             return False
         if self.buffered():
             return True
-        readable, _, _ = select.select([sock], [], [], max(timeout, 0.0))
-        return bool(readable)
+        return bool(waiting.readable([sock], max(timeout, 0.0)))
 
     def read_available(self) -> None:
         """Read what the socket has and hand complete replies to their slots.
@@ -798,6 +815,19 @@ def _is_tls(sock: socket.socket) -> bool:
 def _pending(sock: socket.socket) -> int:
     pending = getattr(sock, "pending", None)
     return int(pending()) if pending is not None else 0
+
+
+def _peer_of(sock: socket.socket | None) -> str | None:
+    """The address a connection reached, as a key for what we know of that server."""
+    if sock is None:
+        return None
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    if isinstance(peer, tuple):
+        return f"peer:{peer[0]}:{peer[1]}"
+    return f"peer:{peer}" if peer else None
 
 
 def _parse_run_id(info: object) -> str | None:

@@ -224,6 +224,7 @@ class Redlock:
                 "renew_every", renew_every, limits.MIN_RENEW_EVERY, ttl, high_open=True
             )
         companion = ("dedupe", "") if clear_companion is None else clear_companion
+        self._check_companion(companion)
         meta_args: list[str] = [companion[0], companion[1]]
         for field, value in (meta or {}).items():
             if str(field) == scripts.EXTENSION_FIELD:
@@ -350,7 +351,13 @@ class Redlock:
         return deleted >= self.quorum
 
     def claim(
-        self, key: str, suffix: str, value: str, ttl: float, *, guards_exclusion: bool = True
+        self,
+        key: str,
+        suffix: str,
+        value: str,
+        ttl: float,
+        *,
+        guard_for: float | None = None,
     ) -> tuple[str, bool]:
         """Set ``<prefix>:{key}:<suffix>`` to ``value`` on a quorum unless somebody has.
 
@@ -361,13 +368,17 @@ class Redlock:
         undone and the claim tried again a few times. Raises
         :class:`QuorumUnavailable` when too few masters answer and
         :class:`LockContended` when racing claims never settle. ``suffix`` may not
-        be one the lock itself uses (``meta``, ``fence``); ``ttl`` is in (0, 400 days].
+        be one the lock itself uses (``meta``, ``fence``); ``ttl`` is in (0, 36500 days].
 
-        ``guards_exclusion=False`` says losing the claim to a master restart costs no
-        safety (an enqueue-dedupe marker: a duplicate publish is still kept apart by the
-        run-time lock), so its TTL does not lengthen a restarted master's quarantine;
-        a beat occurrence claim does guard "sent once" and keeps the default.
+        ``guard_for`` is how long after it is won the claim guards an "only once": a master
+        that restarts empty loses it, so such a master is kept out of the quorum that long
+        (see restart quarantine). By default the claim's TTL, at most a day; 0 when losing
+        it costs no safety (an enqueue-dedupe marker: a duplicate publish is still kept
+        apart by the run-time lock). Beat passes the window in which an occurrence can
+        still be claimed again (a few leader lease periods).
         """
+        if guard_for is not None:
+            guard_for = limits.seconds("guard_for", guard_for, 0.0, limits.MAX_TTL)
         name = self._claim_name(key, suffix)
         ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
         payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
@@ -381,8 +392,14 @@ class Redlock:
                 return ours
             return first if isinstance(first, bytes) else None
 
+        # Every attempt uses the first attempt's lane (its connections): the value is the
+        # same in all of them, so an attempt's undo must reach each master before the
+        # next attempt's claim, as one connection keeps commands in order. On another
+        # lane a late undo could delete the claim a later attempt counted as won.
+        first: Lane | None = None
         for attempt in range(4):
-            with self._lane() as lane:
+            with self._lane(first) as lane:
+                first = lane
                 quarantined = self._quarantined(self._clock())
 
                 def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
@@ -404,8 +421,9 @@ class Redlock:
                         fresh += x is not None and x[0] == 1
                 winner = next((h for h, c in votes.items() if c >= q), None)
                 if winner == ours:
-                    if guards_exclusion:
-                        self._granted(ttl)
+                    guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
+                    if guarded:
+                        self._granted(guarded)
                     return value, fresh >= q
                 mine = {
                     i
@@ -490,13 +508,15 @@ class Redlock:
 
     # -- keys ------------------------------------------------------------------
 
+    @staticmethod
+    def _check_companion(companion: tuple[str, str]) -> None:
+        suffix, value = companion
+        _own_suffix(suffix)
+        if not isinstance(value, str):
+            raise TypeError(f"a companion's value must be a str, got {value!r}")
+
     def _claim_name(self, key: str, suffix: str) -> str:
-        if suffix in RESERVED_SUFFIXES:
-            raise ValueError(
-                f"suffix {suffix!r} is the lock's own ({', '.join(sorted(RESERVED_SUFFIXES))}"
-                " are reserved): a claim there would overwrite the lock's metadata or fence"
-            )
-        return redis_key(self.key_prefix, key, suffix)
+        return redis_key(self.key_prefix, key, _own_suffix(suffix))
 
     def lock_key(self, key: str) -> str:
         """The Redis key of the lock on ``key``."""
@@ -663,7 +683,7 @@ class Redlock:
         max_hold: float | None,
     ) -> Lease:
         lock_key, meta_key, fence_key = self._keys(key)
-        companion_key = f"{lock_key}:{validate_suffix(meta_args[0])}"
+        companion_key = f"{lock_key}:{_own_suffix(meta_args[0])}"
         ttl_ms = max(1, int(ttl * 1000))
         n, q = len(self.masters), self.quorum
         command = scripts.ACQUIRE.call(
@@ -787,7 +807,7 @@ class Redlock:
         heartbeat.forget(lease)
         lock_key, meta_key, _ = self._keys(lease.key)
         suffix, value = lease.clear_on_release or ("dedupe", "")
-        companion_key = f"{lock_key}:{validate_suffix(suffix)}"
+        companion_key = f"{lock_key}:{_own_suffix(suffix)}"
         payload = (
             scripts.RELEASE.call(3, lock_key, meta_key, companion_key, lease.token, value),
             1,
@@ -836,9 +856,12 @@ class Redlock:
         with lease._ext_lock:  # one extension of a lease at a time (see Lease)
             start = self._clock()
             validity_end = start + ttl - self._drift(ttl)
-            number = lease._begin_extension(validity_end)
+            number = lease._begin_extension(validity_end, start)
             if not number:
-                lease.ensure_held()  # raises: released or lost
+                lease.ensure_held()  # raises: released, lost or expired
+                raise LockLost(  # pragma: no cover - ensure_held raised
+                    f"lease on {lease.key!r} is not held", lease.key, self.master_names
+                )
             payload = (
                 scripts.EXTEND.call(2, lock_key, meta_key, lease.token, ttl_ms, number),
                 1,
@@ -991,7 +1014,9 @@ class Redlock:
         n, q = len(self.masters), self.quorum
         start = self._clock()
         ends = [start + ttl - self._drift(ttl) for ttl in ttls]
-        numbers = [lease._begin_extension(end) for lease, end in zip(leases, ends, strict=True)]
+        numbers = [
+            lease._begin_extension(end, start) for lease, end in zip(leases, ends, strict=True)
+        ]
         commands: list[bytes] = []
         ttl_args: dict[float, bytes] = {}
         for lo in range(0, len(leases), RENEW_CHUNK):
@@ -1025,23 +1050,35 @@ class Redlock:
         payload = (b"".join(commands), len(commands))
         if self._renew_lane is None:
             self._renew_lane = self._new_lane()
+        count = len(leases)
+
+        def tally(r: RoundResult, quarantined: set[int]) -> tuple[list[int], list[int]]:
+            ok = [0] * count
+            gone = [0] * count
+            for i, replies in enumerate(r.replies):
+                flags = _flags(replies)
+                if flags is None or len(flags) != count:
+                    continue
+                for j, flag in enumerate(flags):
+                    if flag == 49:  # b"1": extended on this master
+                        if i not in quarantined:
+                            ok[j] += 1
+                    elif flag == 48:  # b"0": not ours there (b"2": a later extension was)
+                        gone[j] += 1
+            return ok, gone
+
         with self._lane(self._renew_lane) as lane:
             quarantined = self._quarantined(start)
-            result = self._round(lane, [payload] * n, valid=_renew_replies)
+
+            def decided(r: RoundResult) -> bool:
+                # Every lease's outcome is certain: no need to wait for a slow master
+                # (the engine's one thread renews every other lease of the process too).
+                ok, gone = tally(r, quarantined)
+                return all(a >= q or g > n - q for a, g in zip(ok, gone, strict=True))
+
+            result = self._round(lane, [payload] * n, decided, valid=_renew_replies)
             quarantined |= self._quarantined(self._clock())
-        count = len(leases)
-        ok = [0] * count
-        gone = [0] * count
-        for i, replies in enumerate(result.replies):
-            flags = _flags(replies)
-            if flags is None or len(flags) != count:
-                continue
-            for j, flag in enumerate(flags):
-                if flag == 49:  # b"1": extended on this master
-                    if i not in quarantined:
-                        ok[j] += 1
-                elif flag == 48:  # b"0": not ours there (b"2": a later extension was)
-                    gone[j] += 1
+        ok, gone = tally(result, quarantined)
         out: list[str] = []
         errors: str | None = None
         for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
@@ -1068,6 +1105,21 @@ class Redlock:
         self._lanes = []
         self._renew_lane = None
         self._fence_keys_lock = threading.Lock()
+
+
+def _own_suffix(suffix: str) -> str:
+    """``suffix`` if a claim or a companion key may use it; ``ValueError`` otherwise.
+
+    The lock's own keys (``meta``, ``fence``) are refused: a claim there would overwrite
+    the lock's metadata or fence counter, a companion deleted with the lock would take
+    the fence counter with it.
+    """
+    if suffix in RESERVED_SUFFIXES:
+        raise ValueError(
+            f"suffix {suffix!r} is the lock's own ({', '.join(sorted(RESERVED_SUFFIXES))}"
+            " are reserved): a claim or companion there would overwrite its metadata or fence"
+        )
+    return validate_suffix(suffix)
 
 
 def _fence_proposal() -> int:

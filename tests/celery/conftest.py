@@ -67,6 +67,7 @@ def _fresh_master_identities() -> None:
     with master._known_lock:
         master._known_run_ids.clear()
         master._restarted_at.clear()
+        master._restarted_run_ids.clear()
         master._longest_granted = 0.0
 
 

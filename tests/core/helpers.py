@@ -126,6 +126,7 @@ def forget_masters() -> None:
     """
     master_module._known_run_ids.clear()
     master_module._restarted_at.clear()
+    master_module._restarted_run_ids.clear()
     master_module._longest_granted = 0.0
 
 

@@ -1,0 +1,218 @@
+"""Reproductions from the hostile review of the lock core, kept as regression tests.
+
+Each failed on the tree it was found on (038625b): file descriptors from 1024 on made
+every round raise; a client whose every master was marked down behind any latency never
+recovered; one client's slow master starved another client's renewals; the restart
+quarantine was bypassed by spelling a server another way (two holders); a claim's retry on
+another lane could be undone by its earlier attempt's late undo; companions could name the
+lock's own keys; and an expired lease could be extended back to held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_redlock.exceptions import LockContended, LockLost, QuorumUnavailable
+from celery_redlock.lock import Redlock
+from celery_redlock.testing import Masters, start_masters, wait_for
+from tests.chaos.proxy import ProxyProcess
+
+from . import helpers
+from .helpers import keys_on, make_redlock
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    yield from helpers.clean_state()
+
+
+@contextlib.contextmanager
+def proxy_for(masters: Masters) -> Iterator[ProxyProcess]:
+    proxy = ProxyProcess([(m.host, m.port) for m in masters])
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@contextlib.contextmanager
+def descriptors_above(number: int) -> Iterator[None]:
+    """Open ``/dev/null`` until the next descriptor the process gets is above ``number``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < number + 200:
+        pytest.fail(f"RLIMIT_NOFILE hard limit {hard} is too low for this test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, number + 200), hard))
+    opened: list[int] = []
+    try:
+        while not opened or opened[-1] < number:
+            opened.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in opened:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_descriptors_from_1024_on_work(masters: Masters) -> None:
+    # select.select() refuses them (FD_SETSIZE); every round raised ValueError, and so did
+    # release(), which must never raise.
+    early = make_redlock(masters)
+    lease = early.acquire("early", 5)
+    early.close()  # its next round reconnects, on descriptors above 1024
+    with descriptors_above(1100):
+        rl = make_redlock(masters)
+        late = rl.acquire("late", 5)
+        assert late.held
+        assert late.fence > 0
+        assert late.release() is True
+        assert lease.release() is True
+    for server in masters:  # the fence counter stays; the locks are gone
+        assert set(keys_on(server)) <= {helpers.lock_name("late", "fence")}
+
+
+def test_every_master_down_behind_latency_recovers(masters: Masters) -> None:
+    with proxy_for(masters) as proxy:
+        proxy.set("*", "delay", 0.002, 0.002)
+        rl = make_redlock(proxy.urls(), node_timeout=0.2)
+        rl.acquire("warm", 5).release()
+        proxy.set("*", "blackhole")
+        with pytest.raises(QuorumUnavailable):
+            rl.acquire("k", 5)
+        proxy.set("*", "delay", 0.002, 0.002)
+
+        def acquires() -> bool:
+            try:
+                rl.acquire("k", 5).release()
+            except QuorumUnavailable:
+                return False
+            return True
+
+        # It never recovered: a master known down was only polled (timeout 0), and only
+        # a reply accepted in the round itself marked it up.
+        wait_for(acquires, timeout=3, interval=0.02, message="no acquire after the heal")
+
+
+def test_a_slow_client_does_not_starve_another_clients_renewals(masters: Masters) -> None:
+    with start_masters(3) as other, proxy_for(other) as proxy:
+        slow = make_redlock(proxy.urls(), node_timeout=2.0)
+        fast = make_redlock(masters, node_timeout=0.05)
+        slow_lease = slow.acquire("report", 30, auto_renew=True, renew_every=0.5)
+        fast_lease = fast.acquire("job", 1, auto_renew=True)
+        proxy.set(0, "blackhole")  # the slow client keeps a quorum of 2, waiting 2 s on #1
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            assert fast_lease.held, f"starved: {fast_lease.lost_reason}"
+            time.sleep(0.02)
+        assert slow_lease.held
+        proxy.set(0, "pass")
+        fast_lease.release()
+        slow_lease.release()
+
+
+def test_the_quarantine_holds_under_another_spelling(master_factory: Any) -> None:
+    a, b, c = (master_factory(persistence="none") for _ in range(3))
+    by_ip = [m.url for m in (a, b, c)]
+    by_name = [url.replace("127.0.0.1", "localhost") for url in by_ip]
+    first = make_redlock(by_ip, node_timeout=0.2)
+    first.acquire("warm", 1).release()
+    c.kill()
+    held = first.acquire("k", 20)  # on a and b
+    b.restart(keep_data=False)
+    c.start()
+    other = make_redlock(by_name, node_timeout=0.2)
+    with pytest.raises((QuorumUnavailable, LockContended)):
+        other.acquire("k", 20)
+    assert held.held
+    held.release()
+
+
+def test_claim_retries_keep_their_first_lane(masters: Masters) -> None:
+    # Attempt 1 finds no winner and undoes its claim; attempt 2 must go out on the same
+    # connections, behind that undo: on another lane, the late undo could delete the
+    # claim attempt 2 counted as won (two claimants told they hold it).
+    rl = make_redlock(masters)
+    for server, holder in ((masters[1], "y"), (masters[2], "z")):
+        server.client().set(helpers.lock_name("c", "run"), holder, px=60_000)
+    lanes: list[Any] = []
+    real_round = rl._round
+
+    def spy(lane: Any, *args: Any, **kwargs: Any) -> Any:
+        lanes.append(lane)
+        return real_round(lane, *args, **kwargs)
+
+    rl._round = spy  # type: ignore[method-assign]
+    release_first = threading.Event()
+
+    def hold_first_lane() -> None:
+        # While the claim sleeps between attempts, another thread of the client takes
+        # the lane it used (a round of its own): without the rule, attempt 2 opens
+        # another one.
+        wait_for(lambda: lanes, timeout=5)
+        lane = lanes[0]
+        with lane.lock:
+            release_first.wait(0.3)
+
+    thread = threading.Thread(target=hold_first_lane)
+    thread.start()
+    try:
+        with pytest.raises(LockContended, match="did not settle"):
+            rl.claim("c", "run", "x", 30)
+    finally:
+        release_first.set()
+        thread.join(5)
+    assert len(lanes) >= 4  # claim and undo rounds of several attempts
+    assert all(lane is lanes[0] for lane in lanes)
+
+
+@pytest.mark.parametrize("suffix", ["meta", "fence"])
+def test_companions_cannot_name_the_locks_own_keys(masters: Masters, suffix: str) -> None:
+    rl = make_redlock(masters)
+    with pytest.raises(ValueError, match="reserved"):
+        rl.acquire("k", 5, clear_companion=(suffix, "x"))
+    lease = rl.acquire("k", 5)
+    _ = lease.fence
+    with pytest.raises(ValueError, match="reserved"):
+        lease.clear_on_release = (suffix, "x")
+    assert lease.release() is True
+    for server in masters:  # the lock and its metadata are gone; the fence counter stays
+        assert set(keys_on(server)) == {helpers.lock_name("k", "fence")}
+
+
+def test_an_expired_lease_cannot_be_extended_back(masters: Masters) -> None:
+    rl = make_redlock(masters)
+    lease = rl.acquire("short", 0.5)
+    wait_for(lambda: not lease.held, timeout=2)
+    with pytest.raises(LockLost):
+        lease.extend(30)
+    assert not lease.held
+
+
+def test_one_redlock_unaffected_by_the_descriptor_limit_in_a_child(masters: Masters) -> None:
+    # The same in a forked child (its connections are new): acquire and release work.
+    rl: Redlock = make_redlock(masters)
+    rl.acquire("parent", 5).release()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        try:
+            with descriptors_above(1100):
+                lease = rl.acquire("child", 5)
+                os.write(write, b"ok" if lease.release() else b"no")
+        except BaseException as exc:  # noqa: BLE001 - reported
+            os.write(write, repr(exc).encode()[:200])
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 256) == b"ok"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
