@@ -25,7 +25,9 @@ side), so that one client connection can be slowed or stopped while the others f
 commands on two connections to one master reorder:
 
 ``@<client_port> hold <up|down>``       keep that direction's bytes (in order) until ``flow``
-``@<client_port> flow``                 deliver what ``hold`` kept, and flow from now on
+``@<client_port> flow``                 deliver what ``hold`` kept (in one write), and flow
+                                        from now on; answers once the master replied to
+                                        it (at most 1 s)
 ``@<client_port> delay <up_s> <down_s>`` this connection's own delay (0 0: none)
 ``@<client_port> reset``                close it; bytes still held die with it
 
@@ -78,6 +80,10 @@ class _Link:
             event.set()
         self.delay: dict[str, float] | None = None
         self.client_port = int(cw.get_extra_info("peername")[1])
+        #: chunks read from the master, and that count when requests were last written to
+        #: it: ``flow`` waits for the master's answer to what it delivers
+        self.down_reads = 0
+        self.down_reads_at_write = 0
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
 
@@ -101,6 +107,8 @@ class _Link:
                 data = await reader.read(65536)
                 if not data:
                     break
+                if direction == "down":
+                    self.down_reads += 1
                 mode = self.proxy.mode
                 if direction == "down" and mode == "drop_replies":
                     break  # the reply is lost, and the connection with it
@@ -131,10 +139,28 @@ class _Link:
                 while self.proxy.mode == "blackhole" or not self.flowing[direction].is_set():
                     await self.proxy.healed.wait()
                     await self.flowing[direction].wait()
+                # What waited behind a hold goes out in one write, as one read for the
+                # master, which then answers it all at once (see flushed()).
+                now = time.monotonic()
+                while not queue.empty() and queue._queue[0][0] <= now:  # type: ignore[attr-defined]
+                    data += queue.get_nowait()[1]
+                if direction == "up":
+                    self.down_reads_at_write = self.down_reads
                 writer.write(data)
                 await writer.drain()
         except (OSError, ConnectionError):
             self.close()
+
+    async def flushed(self, timeout: float = 1.0) -> None:
+        """Return once what was held has been delivered and the master has answered it
+        (or ``timeout`` passed: a stopped master answers nothing)."""
+        end = time.monotonic() + timeout
+        had_up = not self.queues["up"].empty()
+        while time.monotonic() < end and not self.closed:
+            drained = self.queues["up"].empty() and self.queues["down"].empty()
+            if drained and (not had_up or self.down_reads > self.down_reads_at_write):
+                return
+            await asyncio.sleep(0.001)
 
     def close(self) -> None:
         if self.closed:
@@ -190,7 +216,7 @@ class _Proxy:
             self.healed.set()
 
 
-def _control_link(proxies: Sequence[_Proxy], port: int, mode: str, *params: str) -> None:
+def _control_link(proxies: Sequence[_Proxy], port: int, mode: str, *params: str) -> _Link:
     """Apply a per-connection command to the connection whose client port is ``port``."""
     link = next((lk for p in proxies for lk in p.links if lk.client_port == port), None)
     if link is None:
@@ -209,6 +235,7 @@ def _control_link(proxies: Sequence[_Proxy], port: int, mode: str, *params: str)
         link.close()
     else:
         raise ValueError(mode)
+    return link
 
 
 def _say(line: str) -> None:
@@ -232,7 +259,9 @@ async def _serve() -> None:
         target, mode, *params = line.split()
         try:
             if target.startswith("@"):
-                _control_link(proxies, int(target[1:]), mode, *params)
+                link = _control_link(proxies, int(target[1:]), mode, *params)
+                if mode == "flow":
+                    await link.flushed()
                 _say("ok")
                 continue
             chosen = proxies if target == "*" else [proxies[int(i)] for i in target.split(",")]

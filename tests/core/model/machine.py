@@ -70,9 +70,9 @@ T = TypeVar("T")
 NODE_TIMEOUT = 0.2
 #: What a loaded 2-core machine may add to one bounded call.
 SLACK = 0.6
-#: How long the lane-0 user of :meth:`LockModel.acquire_blocking_busy_lane` keeps it:
-#: about one slow round of another thread's.
-BUSY = 0.3
+#: How long the lane-0 user of :meth:`LockModel.acquire_blocking_busy_lane` keeps it
+#: after the acquire started: less than a round that waits for a master.
+BUSY = NODE_TIMEOUT / 2
 KEYS = ("job", "job", "job", "aux")
 TTLS = (1.0, 2.0, 4.0)
 QUORUM = MASTERS // 2 + 1
@@ -84,6 +84,12 @@ DISABLED = frozenset(filter(None, os.environ.get("REDLOCK_MODEL_DISABLE", "").sp
 PATH_MODES = [
     m for m in ("blackhole", "drop_replies", "garbage", "refuse", "delay") if m not in DISABLED
 ]
+
+
+def enabled(name: str) -> Callable[[Any], bool]:
+    """A precondition: the rule runs unless ``REDLOCK_MODEL_DISABLE`` names it."""
+    return lambda self: name not in DISABLED
+
 
 keys = st.sampled_from(KEYS)
 ttls = st.sampled_from(TTLS)
@@ -246,6 +252,7 @@ class LockModel(RuleBasedStateMachine):
 
     # -- client rules ---------------------------------------------------------------------------
 
+    @precondition(enabled("acquire"))
     @rule(target=leases, client=clients, key=keys, ttl=ttls)
     def acquire(self, client: str, key: str, ttl: float) -> Any:
         rl = self.rls[client]
@@ -254,6 +261,7 @@ class LockModel(RuleBasedStateMachine):
         self._allow(what, error, LockContended, QuorumUnavailable)
         return multiple() if lease is None else self._granted(client, key, lease)
 
+    @precondition(enabled("acquire_blocking"))
     @rule(
         target=leases,
         client=clients,
@@ -271,17 +279,20 @@ class LockModel(RuleBasedStateMachine):
         self._allow(what, error, LockContended, QuorumUnavailable)
         return multiple() if lease is None else self._granted(client, key, lease)
 
+    @precondition(enabled("acquire_blocking_busy_lane"))
     @rule(target=leases, key=keys, ttl=ttls, timeout=st.sampled_from([0.5, 1.0]))
     def acquire_blocking_busy_lane(self, key: str, ttl: float, timeout: float) -> Any:
         """A thread's blocking acquire on A while another thread of A uses lane 0.
 
-        The other thread waits for lane 0 while the first attempt has it, then keeps it
-        for about one slow round (``BUSY``): the retries run on another lane.
+        The other thread has lane 0 when the acquire starts, so the first attempt runs
+        on lane 1; it keeps lane 0 for ``BUSY`` (less than one round that waits for a
+        master), so the retries find lane 0 idle and run there.
         """
         rl = self.rls["A"]
         lane0 = rl._lanes[0]
         what = f"A.acquire({key!r}, ttl={ttl:g}, blocking_timeout={timeout:g}) [lane 0 busy]"
         out: dict[str, Any] = {}
+        taken = threading.Event()
 
         def acquire() -> None:
             try:
@@ -291,22 +302,21 @@ class LockModel(RuleBasedStateMachine):
 
         def occupy() -> None:
             with lane0.lock:
+                taken.set()
                 self.timeline.log("  another thread of A took lane 0")
-                time.sleep(BUSY)  # the other thread's slow round: the fault itself
+                time.sleep(BUSY)  # the other thread's round: the fault itself
             self.timeline.log("  lane 0 free again")
 
         started = time.monotonic()
-        worker = threading.Thread(target=acquire, name="model-acquire", daemon=True)
-        worker.start()
-        # The occupier queues for lane 0 once the first attempt holds it.
-        deadline = time.monotonic() + 1.0
-        while not lane0.lock.locked() and worker.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.001)
         occupier = threading.Thread(target=occupy, name="model-lane0", daemon=True)
         occupier.start()
-        bound = timeout + 3 * NODE_TIMEOUT + BUSY + SLACK
+        if not taken.wait(2 * NODE_TIMEOUT + SLACK):
+            self._fail("lane 0 of A stayed busy: a call on it did not return")
+        worker = threading.Thread(target=acquire, name="model-acquire", daemon=True)
+        worker.start()
+        bound = timeout + 3 * NODE_TIMEOUT + SLACK
         worker.join(bound)
-        occupier.join(BUSY + bound)
+        occupier.join(BUSY + SLACK)
         elapsed = time.monotonic() - started
         error = out.get("error")
         lease = out.get("lease")
@@ -317,6 +327,7 @@ class LockModel(RuleBasedStateMachine):
         self._allow(what, error, LockContended, QuorumUnavailable)
         return multiple() if lease is None else self._granted("A", key, lease)
 
+    @precondition(enabled("acquire_auto_renew"))
     @rule(
         target=leases,
         client=st.sampled_from(["A", "B"]),
@@ -375,7 +386,7 @@ class LockModel(RuleBasedStateMachine):
                 self._fail("after a huge-TTL lease, the heartbeat no longer renews leases")
         return held
 
-    @precondition(lambda self: "extend" not in DISABLED)
+    @precondition(enabled("extend"))
     @rule(lease=leases, ttl=st.sampled_from([0.5, 1.0, 2.0, 4.0, 8.0]))
     def extend(self, lease: Held, ttl: float) -> None:
         what = f"{lease}.extend({ttl:g})"
@@ -384,7 +395,7 @@ class LockModel(RuleBasedStateMachine):
         _, error = self._timed(what, 2 * NODE_TIMEOUT + SLACK, lambda: lease.lease.extend(ttl))
         after = time.monotonic()
         self._allow(what, error, LockLost, QuorumUnavailable)
-        if error is None:
+        if error is None and "extend_contract" not in DISABLED:
             drift = ttl * lease.lease.redlock.clock_drift_factor + 0.002
             offset = self.skew if lease.client == "C" else 0.0
             low = before + offset + ttl - drift - 1e-6
@@ -398,6 +409,7 @@ class LockModel(RuleBasedStateMachine):
                     f"({ttl - drift:.3f}s from its start)"
                 )
 
+    @precondition(enabled("release"))
     @rule(lease=leases)
     def release(self, lease: Held) -> None:
         what = f"{lease}.release()"
@@ -409,6 +421,7 @@ class LockModel(RuleBasedStateMachine):
         if lease.lease.held:
             self._fail(f"{lease} still reads held after release()")
 
+    @precondition(enabled("read_fence"))
     @rule(lease=leases)
     def read_fence(self, lease: Held) -> None:
         what = f"{lease}.fence"
@@ -437,6 +450,7 @@ class LockModel(RuleBasedStateMachine):
         earlier.append((time.monotonic(), fence, who))
 
     @precondition(lambda self: hasattr(Redlock, "locked"))
+    @precondition(enabled("locked"))
     @rule(client=clients, key=keys)
     def locked(self, client: str, key: str) -> None:
         rl = self.rls[client]
@@ -449,6 +463,7 @@ class LockModel(RuleBasedStateMachine):
             self._fail(f"{what} said False while {still} held it throughout the call")
 
     @precondition(lambda self: hasattr(Lease, "owned"))
+    @precondition(enabled("owned"))
     @rule(lease=leases)
     def owned(self, lease: Held) -> None:
         was_held = lease.lease.held
@@ -460,6 +475,7 @@ class LockModel(RuleBasedStateMachine):
         if answer is True and lease.lease.state == "released":
             self._fail(f"{what} said True after release()")
 
+    @precondition(enabled("fork_child"))
     @rule(key=keys)
     def fork_child(self, key: str) -> None:
         rl = self.rls["A"]
@@ -493,6 +509,7 @@ class LockModel(RuleBasedStateMachine):
                 )
 
     @precondition(lambda self: any(h.client == "C" for h in self.all))
+    @precondition(enabled("pause_client_c"))
     @rule(data=st.data())
     def pause_client_c(self, data: st.DataObject) -> None:
         """Client C's process stands still past its lease's validity (its clock jumps)."""
@@ -504,6 +521,7 @@ class LockModel(RuleBasedStateMachine):
         if held.lease.held:
             self._fail(f"{held} still reads held after a pause longer than its TTL")
 
+    @precondition(enabled("idle"))
     @rule(seconds=st.sampled_from([0.3, 1.2, 2.5]))
     def idle(self, seconds: float) -> None:
         """Time passes: TTLs run out, renewals tick (the monitor keeps checking)."""
@@ -516,6 +534,7 @@ class LockModel(RuleBasedStateMachine):
         """Any fault in force (liveness checks are skipped then)."""
         return bool(self.faults)
 
+    @precondition(enabled("path_fault"))
     @rule(
         client=clients,
         m=masters,
@@ -529,12 +548,14 @@ class LockModel(RuleBasedStateMachine):
         self.faults.add(f"{client}->m{m}")
         self.timeline.log(f"fault: path {client} -> master {m}: {mode} {params or ''}")
 
+    @precondition(enabled("path_heal"))
     @rule(client=clients, m=masters)
     def path_heal(self, client: str, m: int) -> None:
         self.world.proxy.set(self.world.listener(client, m), "pass")
         self.faults.discard(f"{client}->m{m}")
         self.timeline.log(f"fault healed: path {client} -> master {m} passes")
 
+    @precondition(enabled("connection_fault"))
     @rule(
         client=clients,
         lane=st.integers(0, 1),
@@ -558,6 +579,7 @@ class LockModel(RuleBasedStateMachine):
         self.faults.add(f"{client}/{lane}->m{m}")
         self.timeline.log(f"fault: {client} lane {lane} -> master {m} ({port}): {action} [{ok}]")
 
+    @precondition(enabled("flow"))
     @rule()
     def flow(self) -> None:
         """Deliver every held connection's bytes (in order on each connection)."""
@@ -567,6 +589,7 @@ class LockModel(RuleBasedStateMachine):
         self.held_ports.clear()
         self.faults.difference_update({f for f in self.faults if "/" in f})
 
+    @precondition(enabled("stop_master"))
     @rule(m=masters)
     def stop_master(self, m: int) -> None:
         server = self.world.masters[m]
@@ -575,6 +598,7 @@ class LockModel(RuleBasedStateMachine):
         self.faults.add(f"m{m} stopped")
         self.timeline.log(f"fault: master {m} SIGSTOP")
 
+    @precondition(enabled("continue_master"))
     @rule(m=masters)
     def continue_master(self, m: int) -> None:
         server = self.world.masters[m]
@@ -583,6 +607,7 @@ class LockModel(RuleBasedStateMachine):
         self.faults.discard(f"m{m} stopped")
         self.timeline.log(f"fault healed: master {m} SIGCONT")
 
+    @precondition(enabled("restart_master_empty"))
     @rule(m=masters)
     def restart_master_empty(self, m: int) -> None:
         self.world.restart_empty(m)
@@ -590,6 +615,7 @@ class LockModel(RuleBasedStateMachine):
         self.faults.add(f"m{m} restarted")
         self.timeline.log(f"fault: master {m} restarted empty")
 
+    @precondition(enabled("heal"))
     @rule()
     def heal(self) -> None:
         self._heal_everything()
