@@ -152,7 +152,7 @@ class LockModel(RuleBasedStateMachine):
             self._heal_everything()
             for held in self.all:
                 try:
-                    released = held.lease.release()
+                    released: object = held.lease.release()
                 except Exception as exc:  # noqa: BLE001 - reported below
                     problems.append(f"teardown: release of {held} raised {exc!r}")
                     continue

@@ -110,7 +110,8 @@ class World:
         if self.masters[m].paused:
             return None
         try:
-            return list(self.direct(m).mget(names))
+            values = self.direct(m).mget(names)
+            return [v.encode() if isinstance(v, str) else v for v in values]
         except redis.RedisError:
             conn = self._direct.pop(m, None)
             if conn is not None:
