@@ -55,7 +55,7 @@ def test_extend_to_a_shorter_ttl_sets_that_deadline() -> None:
     replay(
         [
             lambda m, n: n.update(l0=m.acquire(client="A", key="job", ttl=1.0)),
-            lambda m, n: m.extend(lease=n["l0"], ttl=0.5),
+            lambda m, n: m.extend(ticket=n["l0"], ttl=0.5),
         ]
     )
 
@@ -68,7 +68,7 @@ def test_extend_to_a_shorter_ttl_then_a_second_holder(monkeypatch: pytest.Monkey
     replay(
         [
             lambda m, n: n.update(l0=m.acquire(client="A", key="job", ttl=4.0)),
-            lambda m, n: m.extend(lease=n["l0"], ttl=1.0),
+            lambda m, n: m.extend(ticket=n["l0"], ttl=1.0),
             lambda m, n: m.idle(seconds=1.2),
             lambda m, n: m.acquire(client="B", key="job", ttl=1.0),
         ]

@@ -51,7 +51,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    multiple,
     precondition,
     rule,
 )
@@ -97,6 +96,22 @@ clients = st.sampled_from(CLIENTS)
 masters = st.integers(0, MASTERS - 1)
 
 
+class Ticket:
+    """What an acquire rule puts in the bundle, granted or not.
+
+    Every acquire adds exactly one, so the bundle grows the same way whatever the masters
+    answered: Hypothesis replays and shrinks a sequence by drawing from it again, and a
+    bundle that depends on timing would make its draws differ between runs.
+    """
+
+    def __init__(self, label: str, held: Held | None) -> None:
+        self.label = label
+        self.held = held
+
+    def __repr__(self) -> str:
+        return self.label if self.held is None else repr(self.held)
+
+
 class ModelFailure(AssertionError):
     """A broken promise; the message carries the timeline."""
 
@@ -117,6 +132,8 @@ class LockModel(RuleBasedStateMachine):
         self.max_ttl = max(TTLS)
         self.used_auto = False
         self.labels = itertools.count(1)
+        self.tickets = itertools.count(1)
+        self.huge_tried = False
         self.violations: list[str] = []
         #: faults in force, by target (liveness checks are skipped while any is)
         self.faults: set[str] = set()
@@ -239,6 +256,18 @@ class LockModel(RuleBasedStateMachine):
             names = ", ".join(a.__name__ for a in allowed)
             self._fail(f"{what} raised {error!r}; only {names} are documented")
 
+    def _ticket(self, client: str, key: str, lease: Lease | None, auto: bool = False) -> Ticket:
+        if lease is None:
+            ticket = Ticket(f"T{next(self.tickets)}", None)
+            self.timeline.log(f"  {ticket}: nothing granted")
+            return ticket
+        return Ticket("", self._granted(client, key, lease, auto))
+
+    def _resolve(self, ticket: Ticket, what: str) -> Held | None:
+        if ticket.held is None:
+            self.timeline.log(f"{what}: skipped, {ticket} was not granted")
+        return ticket.held
+
     def _granted(self, client: str, key: str, lease: Lease, auto: bool = False) -> Held:
         held = Held(
             f"L{next(self.labels)}", client, key, lease, granted_at=time.monotonic(), auto=auto
@@ -259,7 +288,7 @@ class LockModel(RuleBasedStateMachine):
         what = f"{client}.acquire({key!r}, ttl={ttl:g})"
         lease, error = self._timed(what, 3 * NODE_TIMEOUT + SLACK, lambda: rl.acquire(key, ttl))
         self._allow(what, error, LockContended, QuorumUnavailable)
-        return multiple() if lease is None else self._granted(client, key, lease)
+        return self._ticket(client, key, lease)
 
     @precondition(enabled("acquire_blocking"))
     @rule(
@@ -277,7 +306,7 @@ class LockModel(RuleBasedStateMachine):
             what, bound, lambda: rl.acquire(key, ttl, blocking_timeout=timeout)
         )
         self._allow(what, error, LockContended, QuorumUnavailable)
-        return multiple() if lease is None else self._granted(client, key, lease)
+        return self._ticket(client, key, lease)
 
     @precondition(enabled("acquire_blocking_busy_lane"))
     @rule(target=leases, key=keys, ttl=ttls, timeout=st.sampled_from([0.5, 1.0]))
@@ -325,7 +354,7 @@ class LockModel(RuleBasedStateMachine):
         if worker.is_alive():
             self._fail(f"{what} did not return within {bound:.3f}s")
         self._allow(what, error, LockContended, QuorumUnavailable)
-        return multiple() if lease is None else self._granted("A", key, lease)
+        return self._ticket("A", key, lease)
 
     @precondition(enabled("acquire_auto_renew"))
     @rule(
@@ -344,15 +373,15 @@ class LockModel(RuleBasedStateMachine):
             lambda: rl.acquire(key, ttl, auto_renew=True, max_hold=max_hold),
         )
         self._allow(what, error, LockContended, QuorumUnavailable)
-        if lease is None:
-            return multiple()
-        self.used_auto = True
-        return self._granted(client, key, lease, auto=True)
+        if lease is not None:
+            self.used_auto = True
+        return self._ticket(client, key, lease, auto=True)
 
-    @precondition(lambda self: "huge" not in DISABLED and not any(h.key == "big" for h in self.all))
+    @precondition(lambda self: "huge" not in DISABLED and not self.huge_tried)
     @rule(target=leases)
     def acquire_huge_ttl(self) -> Any:
         """A TTL of 1e11 s with renewal: refused (ValueError), or the engine keeps renewing."""
+        self.huge_tried = True
         rl = self.rls["A"]
         what = "A.acquire('big', ttl=1e11, auto_renew=True)"
         lease, error = self._timed(
@@ -360,9 +389,9 @@ class LockModel(RuleBasedStateMachine):
         )
         self._allow(what, error, ValueError, LockContended, QuorumUnavailable)
         if lease is None:
-            return multiple()
+            return self._ticket("A", "big", None)
         self.used_auto = True
-        held = self._granted("A", "big", lease, auto=True)
+        ticket = self._ticket("A", "big", lease, auto=True)
         # The user-visible promise: other auto-renewed leases are still renewed.
         probe, error = self._timed(
             "A.acquire('probe', ttl=1, auto_renew=True)",
@@ -384,11 +413,14 @@ class LockModel(RuleBasedStateMachine):
             )
             if not renewed and not self._faulty():
                 self._fail("after a huge-TTL lease, the heartbeat no longer renews leases")
-        return held
+        return ticket
 
     @precondition(enabled("extend"))
-    @rule(lease=leases, ttl=st.sampled_from([0.5, 1.0, 2.0, 4.0, 8.0]))
-    def extend(self, lease: Held, ttl: float) -> None:
+    @rule(ticket=leases, ttl=st.sampled_from([0.5, 1.0, 2.0, 4.0, 8.0]))
+    def extend(self, ticket: Ticket, ttl: float) -> None:
+        lease = self._resolve(ticket, "extend")
+        if lease is None:
+            return
         what = f"{lease}.extend({ttl:g})"
         self.max_ttl = max(self.max_ttl, ttl)
         before = time.monotonic()
@@ -410,8 +442,11 @@ class LockModel(RuleBasedStateMachine):
                 )
 
     @precondition(enabled("release"))
-    @rule(lease=leases)
-    def release(self, lease: Held) -> None:
+    @rule(ticket=leases)
+    def release(self, ticket: Ticket) -> None:
+        lease = self._resolve(ticket, "release")
+        if lease is None:
+            return
         what = f"{lease}.release()"
         released, error = self._timed(what, 2 * NODE_TIMEOUT + SLACK, lease.lease.release)
         if error is not None:
@@ -422,8 +457,11 @@ class LockModel(RuleBasedStateMachine):
             self._fail(f"{lease} still reads held after release()")
 
     @precondition(enabled("read_fence"))
-    @rule(lease=leases)
-    def read_fence(self, lease: Held) -> None:
+    @rule(ticket=leases)
+    def read_fence(self, ticket: Ticket) -> None:
+        lease = self._resolve(ticket, "read_fence")
+        if lease is None:
+            return
         what = f"{lease}.fence"
         was_held = lease.lease.held
         fence, error = self._timed(what, 4 * NODE_TIMEOUT + SLACK, lambda: lease.lease.fence)
@@ -464,8 +502,11 @@ class LockModel(RuleBasedStateMachine):
 
     @precondition(lambda self: hasattr(Lease, "owned"))
     @precondition(enabled("owned"))
-    @rule(lease=leases)
-    def owned(self, lease: Held) -> None:
+    @rule(ticket=leases)
+    def owned(self, ticket: Ticket) -> None:
+        lease = self._resolve(ticket, "owned")
+        if lease is None:
+            return
         was_held = lease.lease.held
         what = f"{lease}.owned()"
         answer, error = self._timed(what, 2 * NODE_TIMEOUT + SLACK, lease.lease.owned)  # type: ignore[attr-defined]
@@ -508,13 +549,14 @@ class LockModel(RuleBasedStateMachine):
                     f"{held_until - self.timeline.t0:.3f}s while {held} held it"
                 )
 
-    @precondition(lambda self: any(h.client == "C" for h in self.all))
     @precondition(enabled("pause_client_c"))
-    @rule(data=st.data())
-    def pause_client_c(self, data: st.DataObject) -> None:
+    @rule(ticket=leases)
+    def pause_client_c(self, ticket: Ticket) -> None:
         """Client C's process stands still past its lease's validity (its clock jumps)."""
-        mine = [h for h in self.all if h.client == "C"]
-        held = data.draw(st.sampled_from(mine), label="lease")
+        held = self._resolve(ticket, "pause_client_c")
+        if held is None or held.client != "C":
+            self.timeline.log(f"pause_client_c: skipped, {ticket} is not C's")
+            return
         jump = held.lease.ttl + 0.1
         self.skew += jump
         self.timeline.log(f"fault: client C paused {jump:g}s past {held}'s validity")
