@@ -134,6 +134,9 @@ class LockModel(RuleBasedStateMachine):
         self.labels = itertools.count(1)
         self.tickets = itertools.count(1)
         self.huge_tried = False
+        #: a check failed: teardown then only cleans up (a second failure, chained to the
+        #: first, would make Hypothesis's replays look inconsistent)
+        self.failed = False
         self.violations: list[str] = []
         #: faults in force, by target (liveness checks are skipped while any is)
         self.faults: set[str] = set()
@@ -166,6 +169,8 @@ class LockModel(RuleBasedStateMachine):
             self._stop.set()
             if self._monitor is not None:
                 self._monitor.join(timeout=5)
+            if self.failed:
+                return
             self._heal_everything()
             for held in self.all:
                 try:
@@ -229,6 +234,7 @@ class LockModel(RuleBasedStateMachine):
     # -- recording and failing ----------------------------------------------------------------
 
     def _fail(self, message: str) -> None:
+        self.failed = True
         text = f"{message}\n{self.timeline.render()}"
         if currently_in_test_context():  # also replayed outside Hypothesis (regressions)
             note(text)
