@@ -26,12 +26,12 @@ pytestmark = pytest.mark.chaos
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
 #: measured: about 2.5 min for the whole file on the 2-core CI machine (see docs/safety.rst)
-CI_EXAMPLES = int(os.environ.get("REDLOCK_MODEL_EXAMPLES", "12"))
-CI_STEPS = 20
+CI_EXAMPLES = int(os.environ.get("REDLOCK_MODEL_EXAMPLES", "40"))
+CI_STEPS = 25
 LONG = os.environ.get("REDLOCK_MODEL_CHECK") == "long"
 LONG_MINUTES = float(os.environ.get("REDLOCK_MODEL_MINUTES", "30"))
 LONG_EXAMPLES = 20
-LONG_STEPS = 40
+LONG_STEPS = 60
 
 
 @pytest.fixture

@@ -82,7 +82,7 @@ def test_blocking_retry_on_another_lane_is_not_undone_by_its_own_late_release() 
     replay(
         [
             lambda m, n: m.path_fault(client="A", m=2, mode="refuse"),
-            lambda m, n: m.connection_fault(client="A", lane=1, m=0, action="hold up"),
+            lambda m, n: m.hold_requests(client="A", lane=1, m=0),
             lambda m, n: n.update(l0=m.acquire_blocking_busy_lane(key="job", ttl=4.0, timeout=1.0)),
             lambda m, n: m.flow(),
         ]

@@ -603,26 +603,45 @@ class LockModel(RuleBasedStateMachine):
         self.faults.discard(f"{client}->m{m}")
         self.timeline.log(f"fault healed: path {client} -> master {m} passes")
 
+    def _link_port(self, client: str, lane: int, m: int) -> int | None:
+        lanes = self.rls[client]._lanes
+        sock = lanes[lane].links[m].sock if lane < len(lanes) else None
+        if sock is None:
+            self.timeline.log(f"fault skipped: {client} lane {lane} -> m{m} is not connected")
+            return None
+        return int(sock.getsockname()[1])
+
+    @precondition(enabled("hold_requests"))
+    @rule(client=clients, lane=st.integers(0, 1), m=masters)
+    def hold_requests(self, client: str, lane: int, m: int) -> None:
+        """One lane's requests to one master wait in the proxy (the other lanes flow)."""
+        port = self._link_port(client, lane, m)
+        if port is None:
+            return
+        ok = self.world.proxy.connection(port, "hold", "up")
+        self.held_ports.add(port)
+        self.faults.add(f"{client}/{lane}->m{m}")
+        self.timeline.log(
+            f"fault: {client} lane {lane} -> master {m} ({port}): requests held [{ok}]"
+        )
+
     @precondition(enabled("connection_fault"))
     @rule(
         client=clients,
         lane=st.integers(0, 1),
         m=masters,
-        action=st.sampled_from(["hold up", "hold down", "delay"]),
+        action=st.sampled_from(["hold down", "delay"]),
     )
     def connection_fault(self, client: str, lane: int, m: int, action: str) -> None:
-        """Hold or slow one lane's connection to one master (the other lanes flow)."""
-        lanes = self.rls[client]._lanes
-        sock = lanes[lane].links[m].sock if lane < len(lanes) else None
-        if sock is None:
-            self.timeline.log(f"fault skipped: {client} lane {lane} -> m{m} is not connected")
+        """Hold one lane's replies from one master, or slow that connection."""
+        port = self._link_port(client, lane, m)
+        if port is None:
             return
-        port = sock.getsockname()[1]
         if action == "delay":
             delay = NODE_TIMEOUT * 1.5
             ok = self.world.proxy.connection(port, "delay", delay, delay)
         else:
-            ok = self.world.proxy.connection(port, "hold", action.split()[1])
+            ok = self.world.proxy.connection(port, "hold", "down")
             self.held_ports.add(port)
         self.faults.add(f"{client}/{lane}->m{m}")
         self.timeline.log(f"fault: {client} lane {lane} -> master {m} ({port}): {action} [{ok}]")
