@@ -92,6 +92,25 @@ def test_blocking_retry_on_another_lane_is_not_undone_by_its_own_late_release() 
 
 
 @pytest.mark.usefixtures("model_world")
+def test_blocking_retry_as_the_search_found_it() -> None:
+    """(2) as the long profile's search found it (its no-op steps removed): A's own
+    expiring lease is the contention, a black hole and held requests the faults."""
+    replay(
+        [
+            lambda m, n: n.update(l0=m.acquire(client="A", key="job", ttl=1.0)),
+            lambda m, n: m.path_fault(client="A", m=0, mode="blackhole"),
+            lambda m, n: m.hold_requests(client="A", lane=1, m=2),
+            lambda m, n: m.acquire_blocking_busy_lane(key="job", ttl=1.0, timeout=0.5),
+            lambda m, n: m.acquire(client="A", key="job", ttl=1.0),
+            lambda m, n: m.acquire(client="A", key="job", ttl=1.0),
+            lambda m, n: m.hold_requests(client="A", lane=0, m=0),
+            lambda m, n: m.acquire_blocking_busy_lane(key="job", ttl=4.0, timeout=0.5),
+            lambda m, n: m.flow(),
+        ]
+    )
+
+
+@pytest.mark.usefixtures("model_world")
 def test_a_master_answering_garbage_is_one_unreachable_master() -> None:
     """(3) ``HTTP/1.1 400`` from one master of three made the acquire raise ValueError."""
     replay(
