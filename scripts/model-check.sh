@@ -33,7 +33,7 @@ trap 'rm -f "$log"' EXIT
 status=0
 started=$(date +%s)
 start_text=$(date '+%Y-%m-%d %H:%M:%S')
-"$VENV_PY" -m pytest tests/core/test_model.py -k "$selector" -p no:cacheprovider -s \
+"$VENV_PY" -m pytest tests/core/test_model.py -k "$selector" -p no:cacheprovider -s --show-capture=no \
     2>&1 | tee "$log" || status=${PIPESTATUS[0]}
 elapsed=$(( $(date +%s) - started ))
 if [ "$status" -eq 0 ]; then outcome="PASSED"; else outcome="FAILED (pytest exit status $status)"; fi

@@ -111,6 +111,24 @@ def test_blocking_retry_as_the_search_found_it() -> None:
 
 
 @pytest.mark.usefixtures("model_world")
+def test_a_renewal_capped_by_max_hold_sets_that_deadline() -> None:
+    """(5, found by the CI profile with trial fixes for 1-4) The heartbeat's last renewals
+    under ``max_hold`` send a shorter TTL (what is left of ``max_hold``); the masters' key
+    expires with it, but the lease kept its longer deadline (``_set_deadline`` keeps the
+    later one on this path too), so it reads held after every master dropped its key."""
+    replay(
+        [
+            lambda m, n: n.update(
+                l0=m.acquire_auto_renew(client="A", key="job", ttl=2.0, max_hold=1.5)
+            ),
+            lambda m, n: m.idle(seconds=1.2),
+            lambda m, n: m.idle(seconds=0.3),
+            lambda m, n: m.idle(seconds=0.3),
+        ]
+    )
+
+
+@pytest.mark.usefixtures("model_world")
 def test_a_master_answering_garbage_is_one_unreachable_master() -> None:
     """(3) ``HTTP/1.1 400`` from one master of three made the acquire raise ValueError."""
     replay(
