@@ -13,6 +13,26 @@ JSON line, then obeys commands, one per line on stdin, answering ``ok``:
                                         is thrown away and the connection cut, as when a
                                         reply is lost and the connection dies with it
 ``<index|*> reset``                     close every connection now (mode unchanged)
+``<index|*> garbage``                   nothing reaches the master; every request chunk is
+                                        answered ``HTTP/1.1 400 Bad Request`` (a port that
+                                        is not Redis, or a master behind a broken middlebox)
+``<index|*> refuse``                    close every connection now and every new one at
+                                        once (the master went away; nothing is delivered
+                                        late, unlike ``blackhole``)
+
+Per connection, named by the client's own port (``sock.getsockname()[1]`` on the client
+side), so that one client connection can be slowed or stopped while the others flow and
+commands on two connections to one master reorder:
+
+``@<client_port> hold <up|down>``       keep that direction's bytes (in order) until ``flow``
+``@<client_port> flow``                 deliver what ``hold`` kept (in one write), and flow
+                                        from now on; answers once the master replied to
+                                        it (at most 1 s)
+``@<client_port> delay <up_s> <down_s>`` this connection's own delay (0 0: none)
+``@<client_port> reset``                close it; bytes still held die with it
+
+A command for a client port the proxy does not know is answered ``error unknown
+connection``.
 
 A proxy never *drops* bytes of a connection it keeps open: the client matches replies to
 requests by order, so a silently dropped reply would hand it the wrong replies later, a
@@ -36,6 +56,8 @@ from pathlib import Path
 __all__ = ["ProxyProcess"]
 
 REPO = Path(__file__).resolve().parents[2]
+#: What ``garbage`` mode answers instead of Redis.
+GARBAGE = b"HTTP/1.1 400 Bad Request\r\n\r\n"
 
 
 class _Link:
@@ -51,6 +73,17 @@ class _Link:
             "down": asyncio.Queue[tuple[float, bytes]](),
         }
         self.last_due = {"up": 0.0, "down": 0.0}
+        #: per-connection control (see the module docstring): ``flowing[d]`` is clear
+        #: while direction ``d`` is held; ``delay`` overrides the listener's delay
+        self.flowing = {"up": asyncio.Event(), "down": asyncio.Event()}
+        for event in self.flowing.values():
+            event.set()
+        self.delay: dict[str, float] | None = None
+        self.client_port = int(cw.get_extra_info("peername")[1])
+        #: chunks read from the master, and that count when requests were last written to
+        #: it: ``flow`` waits for the master's answer to what it delivers
+        self.down_reads = 0
+        self.down_reads_at_write = 0
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
 
@@ -74,13 +107,22 @@ class _Link:
                 data = await reader.read(65536)
                 if not data:
                     break
+                if direction == "down":
+                    self.down_reads += 1
                 mode = self.proxy.mode
                 if direction == "down" and mode == "drop_replies":
                     break  # the reply is lost, and the connection with it
                 now = time.monotonic()
-                delay = self.proxy.delay[direction] if mode == "delay" else 0.0
+                if self.delay is not None:
+                    delay = self.delay[direction]
+                else:
+                    delay = self.proxy.delay[direction] if mode == "delay" else 0.0
                 due = max(now + delay, self.last_due[direction])
                 self.last_due[direction] = due
+                if direction == "up" and mode == "garbage":
+                    # Answered in the reply stream's order, behind replies still queued.
+                    self.queues["down"].put_nowait((due, GARBAGE))
+                    continue
                 self.queues[direction].put_nowait((due, data))
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -94,12 +136,31 @@ class _Link:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                while self.proxy.mode == "blackhole":
+                while self.proxy.mode == "blackhole" or not self.flowing[direction].is_set():
                     await self.proxy.healed.wait()
+                    await self.flowing[direction].wait()
+                # What waited behind a hold goes out in one write, as one read for the
+                # master, which then answers it all at once (see flushed()).
+                now = time.monotonic()
+                while not queue.empty() and queue._queue[0][0] <= now:  # type: ignore[attr-defined]
+                    data += queue.get_nowait()[1]
+                if direction == "up":
+                    self.down_reads_at_write = self.down_reads
                 writer.write(data)
                 await writer.drain()
         except (OSError, ConnectionError):
             self.close()
+
+    async def flushed(self, timeout: float = 1.0) -> None:
+        """Return once what was held has been delivered and the master has answered it
+        (or ``timeout`` passed: a stopped master answers nothing)."""
+        end = time.monotonic() + timeout
+        had_up = not self.queues["up"].empty()
+        while time.monotonic() < end and not self.closed:
+            drained = self.queues["up"].empty() and self.queues["down"].empty()
+            if drained and (not had_up or self.down_reads > self.down_reads_at_write):
+                return
+            await asyncio.sleep(0.001)
 
     def close(self) -> None:
         if self.closed:
@@ -129,6 +190,9 @@ class _Proxy:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "refuse":
+            writer.transport.abort()
+            return
         link = _Link(self, reader, writer)
         self.links.add(link)
         await link.run()
@@ -138,8 +202,11 @@ class _Proxy:
             for link in list(self.links):
                 link.close()
             return
-        if mode not in ("pass", "delay", "blackhole", "drop_replies"):
+        if mode not in ("pass", "delay", "blackhole", "drop_replies", "garbage", "refuse"):
             raise ValueError(mode)
+        if mode == "refuse":
+            for link in list(self.links):
+                link.close()
         self.mode = mode
         if mode == "delay":
             self.delay = {"up": float(params[0]), "down": float(params[1])}
@@ -147,6 +214,28 @@ class _Proxy:
             self.healed.clear()
         else:
             self.healed.set()
+
+
+def _control_link(proxies: Sequence[_Proxy], port: int, mode: str, *params: str) -> _Link:
+    """Apply a per-connection command to the connection whose client port is ``port``."""
+    link = next((lk for p in proxies for lk in p.links if lk.client_port == port), None)
+    if link is None:
+        raise ValueError("unknown connection")
+    if mode == "hold":
+        if params[0] not in link.flowing:
+            raise ValueError(f"direction {params[0]!r}")
+        link.flowing[params[0]].clear()
+    elif mode == "flow":
+        for event in link.flowing.values():
+            event.set()
+    elif mode == "delay":
+        up, down = float(params[0]), float(params[1])
+        link.delay = None if up == down == 0 else {"up": up, "down": down}
+    elif mode == "reset":
+        link.close()
+    else:
+        raise ValueError(mode)
+    return link
 
 
 def _say(line: str) -> None:
@@ -168,8 +257,14 @@ async def _serve() -> None:
         if not line:
             break
         target, mode, *params = line.split()
-        chosen = proxies if target == "*" else [proxies[int(i)] for i in target.split(",")]
         try:
+            if target.startswith("@"):
+                link = _control_link(proxies, int(target[1:]), mode, *params)
+                if mode == "flow":
+                    await link.flushed()
+                _say("ok")
+                continue
+            chosen = proxies if target == "*" else [proxies[int(i)] for i in target.split(",")]
             for proxy in chosen:
                 proxy.set_mode(mode, *params)
         except (ValueError, IndexError) as exc:
@@ -230,6 +325,23 @@ class ProxyProcess:
         answer = self._answer()
         if answer != "ok":
             raise RuntimeError(f"proxy refused {line!r}: {answer!r}")
+
+    def connection(self, client_port: int, mode: str, *params: str | float) -> bool:
+        """Control one connection (``hold``/``flow``/``delay``/``reset``, see above).
+
+        Returns False when the proxy does not know a connection from ``client_port``
+        (closed, or never made).
+        """
+        assert self.proc.stdin is not None
+        line = " ".join([f"@{client_port}", mode, *(str(p) for p in params)])
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+        answer = self._answer()
+        if answer == "error unknown connection":
+            return False
+        if answer != "ok":
+            raise RuntimeError(f"proxy refused {line!r}: {answer!r}")
+        return True
 
     def close(self) -> None:
         if self.proc.poll() is None:
