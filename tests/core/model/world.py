@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import redis
 
 from celery_redlock.lock import Lease
-from celery_redlock.lock import master as master_module
 from celery_redlock.testing import Masters, start_masters
 
 from ...chaos.proxy import ProxyProcess
+from ..helpers import forget_masters
 
 __all__ = ["CLIENTS", "Held", "Timeline", "World", "world"]
 
@@ -152,7 +152,7 @@ class World:
                 conn.close()
             self.direct(m).flushall()
         self.restarts.clear()
-        master_module._known_run_ids.clear()
+        forget_masters()  # run_ids, restarts and granted TTLs are process-wide
 
     def close(self) -> None:
         for conn in self._direct.values():
