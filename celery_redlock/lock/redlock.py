@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -473,14 +473,7 @@ class Redlock:
         quarantined = self._quarantined(self._clock())
 
         def count(r: RoundResult) -> tuple[int, int]:
-            ayes = noes = 0
-            for i, x in enumerate(r.replies):
-                if x is not None and i not in quarantined:
-                    if yes(x[0]):
-                        ayes += 1
-                    else:
-                        noes += 1
-            return ayes, noes
+            return _tally(r, lambda x: bool(yes(x)), quarantined, excluded_noes=False)
 
         def decided(r: RoundResult) -> bool:
             ayes, noes = count(r)
@@ -815,14 +808,7 @@ class Redlock:
         n, q = len(self.masters), self.quorum
 
         def count(r: RoundResult) -> tuple[int, int]:
-            deleted = refused = 0
-            for x in r.replies:
-                if x is not None:
-                    if x[0] == 1:
-                        deleted += 1
-                    else:
-                        refused += 1
-            return deleted, refused
+            return _tally(r, lambda x: x == 1)
 
         def decided(r: RoundResult) -> bool:
             deleted, refused = count(r)
@@ -870,24 +856,12 @@ class Redlock:
                 quarantined = self._quarantined(start)
 
                 def decided(r: RoundResult) -> bool:
-                    ok = gone = 0
-                    for i, x in enumerate(r.replies):
-                        if x is not None:
-                            if x[0] == 0:
-                                gone += 1
-                            elif x[0] == 1 and i not in quarantined:
-                                ok += 1
+                    ok, gone = _tally(r, _extended, quarantined)
                     return ok >= q or gone > n - q
 
                 result = self._round(lane, [payload] * n, decided)
                 quarantined |= self._quarantined(self._clock())
-            ok = gone = 0
-            for i, x in enumerate(result.replies):
-                if x is not None:
-                    if x[0] == 0:
-                        gone += 1
-                    elif x[0] == 1 and i not in quarantined:
-                        ok += 1
+            ok, gone = _tally(result, _extended, quarantined)
             if ok >= q:
                 self._granted(ttl)
                 if lease._confirm_extension(number, validity_end, ttl) and lease.held:
@@ -1105,6 +1079,35 @@ class Redlock:
         self._lanes = []
         self._renew_lane = None
         self._fence_keys_lock = threading.Lock()
+
+
+def _tally(
+    result: RoundResult,
+    vote: Callable[[object], bool | None],
+    excluded: Set[int] = frozenset(),
+    *,
+    excluded_noes: bool = True,
+) -> tuple[int, int]:
+    """Count the masters whose first reply ``vote`` calls yes (True) and no (False).
+
+    None counts neither way. A yes from a master in ``excluded`` (kept out after a
+    restart) never counts; its no does unless ``excluded_noes`` is False (a read of who
+    holds a key must not take a restarted master's empty answer as a "free").
+    """
+    ayes = noes = 0
+    for i, replies in enumerate(result.replies):
+        if replies is not None:
+            answer = vote(replies[0])
+            if answer is True:
+                ayes += i not in excluded
+            elif answer is False and (excluded_noes or i not in excluded):
+                noes += 1
+    return ayes, noes
+
+
+def _extended(reply: object) -> bool | None:
+    """EXTEND's reply as a vote: 1 yes, 0 no (not ours), 2 neither (a later one applied)."""
+    return True if reply == 1 else False if reply == 0 else None
 
 
 def _own_suffix(suffix: str) -> str:
