@@ -82,9 +82,13 @@ class Holder:
     open_cs: int | None = None
 
     def valid_intervals(self) -> list[tuple[float, float]]:
+        # Each record says "from here on, the deadline is this one" (an extension may set
+        # it earlier as well as later): a record's deadline holds until the next record.
         out = []
-        for start, deadline in self.validity:
-            hi = min(deadline, self.end)
+        records = sorted(self.validity)
+        for n, (start, deadline) in enumerate(records):
+            until = records[n + 1][0] if n + 1 < len(records) else INF
+            hi = min(deadline, self.end, until)
             if hi > start:
                 out.append((float(start), hi))
         return _union(out)

@@ -2,7 +2,8 @@
 
 :class:`InstrumentedRedlock` is the real lock with recording at its seams (``_round``,
 ``_try_acquire``, ``_release``, ``_extend``, ``_commit_fence``, ``_renew_many``, and the
-lease's ``_set_deadline``/``_lose``). It changes no decision of the lock.
+lease's ``_begin_extension``/``_confirm_extension``/``_lose``). It changes no decision of
+the lock.
 
 :class:`BrokenRedlock` is the negative control: the lock a careful engineer must be able to
 tell apart from ours. It models the fixed-expiry "cookbook" lock this project replaces:
@@ -22,13 +23,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery_redlock.lock import Lease, Redlock
 from celery_redlock.lock.fanout import Lane, RoundResult
 from celery_redlock.lock.lease import HELD, RELEASED
-from celery_redlock.lock.master import Slot
 from celery_redlock.lock.wire import pack
 
 from .history import History, ns
@@ -68,14 +68,27 @@ class InstrumentedLease(Lease):
 
     __slots__ = ()
 
-    def _set_deadline(self, deadline: float, ttl: float | None = None) -> bool:
+    def _begin_extension(self, validity_end: float, now: float) -> int:
+        before = self._deadline
+        number = super()._begin_extension(validity_end, now)
+        if number and self._deadline < before:
+            # Lowered when sent (a shorter extension): from now on the lease believes in
+            # the earlier deadline (recorded after the move: later than it was, which can
+            # only show more overlap).
+            self._record(self._deadline)
+        return number
+
+    def _confirm_extension(self, number: int, validity_end: float, ttl: float | None) -> bool:
         # Recorded *before* the deadline moves: the checker then believes the lease valid
         # slightly earlier than it was, never later, which can only show more overlap.
-        if self._state == HELD:
-            self.redlock.history.write(  # type: ignore[attr-defined]
-                "renew", key=self.key, lease=lease_id(self), deadline_ns=ns(deadline)
-            )
-        return super()._set_deadline(deadline, ttl)
+        if self._state == HELD and number == self._ext_sent:
+            self._record(validity_end)
+        return super()._confirm_extension(number, validity_end, ttl)
+
+    def _record(self, deadline: float) -> None:
+        self.redlock.history.write(  # type: ignore[attr-defined]
+            "renew", key=self.key, lease=lease_id(self), deadline_ns=ns(deadline)
+        )
 
     def _lose(self, reason: str) -> bool:
         lost = super()._lose(reason)
@@ -126,10 +139,7 @@ class InstrumentedRedlock(Redlock):
         lane: Lane,
         payloads: Sequence[tuple[bytes, int] | None],
         decided: Callable[[RoundResult], bool] | None = None,
-        *,
-        wait_on_down: bool = False,
-        awaiting: Mapping[int, Slot] | None = None,
-        wait: bool = True,
+        **options: Any,
     ) -> RoundResult:
         now = self._clock()
         connects = sum(
@@ -140,9 +150,7 @@ class InstrumentedRedlock(Redlock):
             and now >= lane.links[i].master.connect_after
         )
         started = time.monotonic_ns()
-        result = super()._round(
-            lane, payloads, decided, wait_on_down=wait_on_down, awaiting=awaiting, wait=wait
-        )
+        result = super()._round(lane, payloads, decided, **options)
         took = time.monotonic_ns() - started
         self.history.write(
             "rpc",
@@ -161,7 +169,7 @@ class InstrumentedRedlock(Redlock):
         lease.__class__ = self.lease_class
         return lease
 
-    def _release(self, lease: Lease, *, wait: bool = True) -> bool:
+    def _release(self, lease: Lease, *, wait: bool = True) -> tuple[bool, bool]:
         with self._op("release"):
             return super()._release(lease, wait=wait)
 
@@ -189,7 +197,7 @@ class BrokenRedlock(InstrumentedRedlock):
     lease_class = BrokenLease
     believes_deadline = False
 
-    def _release(self, lease: Lease, *, wait: bool = True) -> bool:
+    def _release(self, lease: Lease, *, wait: bool = True) -> tuple[bool, bool]:
         from celery_redlock.lock.heartbeat import forget
 
         forget(lease)
@@ -197,4 +205,4 @@ class BrokenRedlock(InstrumentedRedlock):
         payload = (pack(("DEL", lock_key, meta_key)), 1)
         with self._op("release"), self._lane(lease._lane) as lane:
             result = self._round(lane, [payload] * len(self.masters))
-        return sum(1 for x in result.replies if x is not None) >= self.quorum
+        return sum(1 for x in result.replies if x is not None) >= self.quorum, False
