@@ -120,9 +120,11 @@ class Heartbeat:
                 self._cond.notify()
 
     def reschedule(self, lease: Lease) -> None:
-        """Renew ``lease`` next ``lease.renew_every`` seconds from now (its TTL or interval
-        changed: a shorter one must not wait for a renewal planned for the longer)."""
-        due = self._clock() + lease.renew_every
+        """Renew ``lease`` next ``lease.renew_every`` seconds from now, or sooner when its
+        validity ends before that (its TTL or interval changed, or a failed extension
+        lowered its deadline: it must not wait for a renewal planned for the longer)."""
+        now = self._clock()
+        due = now + min(lease.renew_every, max(BUSY_RETRY, (lease.deadline - now) / 3))
         with self._cond:
             if self._active.get(id(lease)) is not lease:
                 return
@@ -302,20 +304,34 @@ class Heartbeat:
         # up to its node_timeout) never holds up the renewal of another client's leases.
         # This thread only hands them over; the leases come back to the heap when done.
         for redlock, leases in groups.values():
-            self._renewer(redlock).put(leases)
+            self._hand_over(redlock, leases)
 
-    def _renewer(self, redlock: Redlock) -> queue.SimpleQueue[list[Lease]]:
+    def _hand_over(self, redlock: Redlock, leases: list[Lease]) -> None:
+        """Give ``leases`` to ``redlock``'s renewal thread (started if there is none).
+
+        Under ``self._cond``, as the thread's retirement is: work handed over is never
+        left in a queue nobody reads. If no thread can be started, renew here.
+        """
         with self._cond:
             found = self._renewers.get(id(redlock))
             if found is None:
-                found = self._renewers[id(redlock)] = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._run_renewer,
-                    args=(redlock, found),
-                    name="redlock-heartbeat-client",
-                    daemon=True,
-                ).start()
-            return found
+                found = queue.SimpleQueue()
+                try:
+                    threading.Thread(
+                        target=self._run_renewer,
+                        args=(redlock, found),
+                        name="redlock-heartbeat-client",
+                        daemon=True,
+                    ).start()
+                except Exception:  # noqa: BLE001 - a thread limit: renew on this thread
+                    found = None
+                else:
+                    self._renewers[id(redlock)] = found
+            if found is not None:
+                found.put(leases)
+                return
+        logger.warning("renewal: could not start a client thread; renewing on the engine's")
+        self._renew_group_guarded(redlock, leases)
 
     def _run_renewer(self, redlock: Redlock, work: queue.SimpleQueue[list[Lease]]) -> None:
         while True:
@@ -339,8 +355,46 @@ class Heartbeat:
 
     def _renew_group(self, redlock: Redlock, leases: list[Lease]) -> None:
         """Renew the due ``leases`` of one client in one round."""
-        now = self._clock()
         renew: list[Lease] = []
+        try:
+            ttls = self._take_for_renewal(redlock, leases, renew)
+        except BaseException:
+            for lease in renew:  # never leave a lease's extension lock taken
+                lease._ext_lock.release()
+            raise
+        if not renew:
+            return
+        try:
+            outcomes = redlock._renew_many(renew, ttls)
+        except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
+            logger.warning("renewal round failed: %s", exc)
+            outcomes = [f"renewal round failed: {exc}"] * len(renew)
+        finally:
+            for lease in renew:
+                lease._ext_lock.release()
+        now = self._clock()
+        renewed: list[Lease] = []
+        for lease, outcome in zip(renew, outcomes, strict=True):
+            if lease.state != HELD:
+                self.remove(lease)
+            elif outcome == "ok":
+                renewed.append(lease)
+            elif outcome == "gone":
+                self.remove(lease)
+                lease._lose("a quorum of masters no longer knows this holder")
+            else:
+                self._retry(lease, now, outcome)
+        self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
+        with self._cond:
+            self.renewals += len(renewed)
+
+    def _take_for_renewal(
+        self, redlock: Redlock, leases: list[Lease], renew: list[Lease]
+    ) -> list[float]:
+        """Sort the due ``leases``: those to renew go to ``renew`` with their extension lock
+        taken (the TTLs to ask for are returned); the others are lost, left to expire or
+        tried again shortly."""
+        now = self._clock()
         ttls: list[float] = []
         for lease in leases:
             if lease.state != HELD:
@@ -376,31 +430,7 @@ class Heartbeat:
                 continue
             renew.append(lease)
             ttls.append(ttl)
-        if not renew:
-            return
-        try:
-            outcomes = redlock._renew_many(renew, ttls)
-        except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
-            logger.warning("renewal round failed: %s", exc)
-            outcomes = [f"renewal round failed: {exc}"] * len(renew)
-        finally:
-            for lease in renew:
-                lease._ext_lock.release()
-        now = self._clock()
-        renewed: list[Lease] = []
-        for lease, outcome in zip(renew, outcomes, strict=True):
-            if lease.state != HELD:
-                self.remove(lease)
-            elif outcome == "ok":
-                renewed.append(lease)
-            elif outcome == "gone":
-                self.remove(lease)
-                lease._lose("a quorum of masters no longer knows this holder")
-            else:
-                self._retry(lease, now, outcome)
-        self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
-        with self._cond:
-            self.renewals += len(renewed)
+        return ttls
 
     def _retry(self, lease: Lease, now: float, error: str) -> None:
         remaining = lease.deadline - now

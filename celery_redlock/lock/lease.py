@@ -283,16 +283,19 @@ class Lease:
                 self._deadline = validity_end
             return self._ext_sent
 
-    def _confirm_extension(self, number: int, validity_end: float, ttl: float | None) -> bool:
+    def _confirm_extension(
+        self, number: int, validity_end: float, ttl: float | None, now: float
+    ) -> bool:
         """A quorum applied extension ``number``: the deadline becomes ``validity_end``.
 
         Only for the last extension sent: an earlier one's late confirmation never
         undoes a later one (whose send already lowered the deadline). ``ttl`` (a user's
         ``extend``) becomes the lease's TTL; the renewal engine's own renewals pass None.
-        Returns False when the lease is no longer held or a later extension was sent.
+        Returns False when the lease is no longer held at ``now`` (the confirmation came
+        after its validity ended: it never reads held again) or a later extension was sent.
         """
         with self._mutex:
-            if self._state != HELD or number != self._ext_sent:
+            if self._state != HELD or number != self._ext_sent or now >= self._deadline:
                 return False
             self._deadline = validity_end
             if ttl is not None and ttl != self.ttl:

@@ -836,6 +836,18 @@ class Redlock:
 
     def _extend(self, lease: Lease, ttl: float) -> None:
         ttl = self._check_ttl("ttl", ttl)
+        # Before the extension lock: in a forked child a parent's thread may have held it
+        # at fork time (the child's copy then never unlocks), and the lease is not held here.
+        lease.ensure_held()
+        try:
+            self._extend_held(lease, ttl)
+        finally:
+            if lease.auto_renew:
+                # Also after a failure: a failed extension may have lowered the deadline
+                # below the renewal the engine had planned.
+                self._engine().reschedule(lease)
+
+    def _extend_held(self, lease: Lease, ttl: float) -> None:
         lock_key, meta_key, _ = self._keys(lease.key)
         ttl_ms = max(1, int(ttl * 1000))
         n, q = len(self.masters), self.quorum
@@ -864,9 +876,7 @@ class Redlock:
             ok, gone = _tally(result, _extended, quarantined)
             if ok >= q:
                 self._granted(ttl)
-                if lease._confirm_extension(number, validity_end, ttl) and lease.held:
-                    if lease.auto_renew:
-                        self._engine().reschedule(lease)
+                if lease._confirm_extension(number, validity_end, ttl, self._clock()):
                     return
             elif gone > n - q:
                 lease._lose(f"{gone} of {n} masters no longer know this holder")
@@ -985,12 +995,40 @@ class Redlock:
         on its first renewal and kept on the lease (they never change), and the
         votes are counted per master over the reply strings, not per lease.
         """
-        n, q = len(self.masters), self.quorum
         start = self._clock()
         ends = [start + ttl - self._drift(ttl) for ttl in ttls]
         numbers = [
             lease._begin_extension(end, start) for lease, end in zip(leases, ends, strict=True)
         ]
+        if all(numbers):
+            return self._renew_numbered(leases, ttls, numbers, ends, start)
+        # Leases no longer held (released meanwhile, or their validity ended before the
+        # send) are not sent at all: nothing may renew them, and an extension without a
+        # number would only be refused by every master.
+        out = ["not held when its renewal was sent"] * len(leases)
+        live = [j for j, number in enumerate(numbers) if number]
+        if live:
+            outcomes = self._renew_numbered(
+                [leases[j] for j in live],
+                [ttls[j] for j in live],
+                [numbers[j] for j in live],
+                [ends[j] for j in live],
+                start,
+            )
+            for j, outcome in zip(live, outcomes, strict=True):
+                out[j] = outcome
+        return out
+
+    def _renew_numbered(
+        self,
+        leases: Sequence[Lease],
+        ttls: Sequence[float],
+        numbers: Sequence[int],
+        ends: Sequence[float],
+        start: float,
+    ) -> list[str]:
+        """:meth:`_renew_many` of leases whose extensions are numbered (all held)."""
+        n, q = len(self.masters), self.quorum
         commands: list[bytes] = []
         ttl_args: dict[float, bytes] = {}
         for lo in range(0, len(leases), RENEW_CHUNK):
@@ -1058,8 +1096,10 @@ class Redlock:
         for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
             if ok[j] >= q:
                 self._granted(ttl)
-                lease._confirm_extension(numbers[j], ends[j], None)
-                out.append("ok")
+                if lease._confirm_extension(numbers[j], ends[j], None, self._clock()):
+                    out.append("ok")
+                else:  # its validity ended while the round ran: it stays not held
+                    out.append("confirmed after its validity had ended")
             elif gone[j] > n - q:
                 out.append("gone")
             else:
@@ -1190,8 +1230,8 @@ def _get_replies(replies: list[object]) -> bool:
 
 
 def _renew_replies(replies: list[object]) -> bool:
-    """EXTEND_MANY returns a string of '0' and '1', one per lease."""
-    return all(isinstance(x, bytes) and not x.strip(b"01") for x in replies)
+    """EXTEND_MANY returns a string of '0', '1' and '2', one per lease."""
+    return all(isinstance(x, bytes) and not x.strip(b"012") for x in replies)
 
 
 def _flags(replies: list[object] | None) -> bytes | None:

@@ -78,12 +78,14 @@ class InstrumentedLease(Lease):
             self._record(self._deadline)
         return number
 
-    def _confirm_extension(self, number: int, validity_end: float, ttl: float | None) -> bool:
+    def _confirm_extension(
+        self, number: int, validity_end: float, ttl: float | None, now: float
+    ) -> bool:
         # Recorded *before* the deadline moves: the checker then believes the lease valid
         # slightly earlier than it was, never later, which can only show more overlap.
-        if self._state == HELD and number == self._ext_sent:
+        if self._state == HELD and number == self._ext_sent and now < self._deadline:
             self._record(validity_end)
-        return super()._confirm_extension(number, validity_end, ttl)
+        return super()._confirm_extension(number, validity_end, ttl, now)
 
     def _record(self, deadline: float) -> None:
         self.redlock.history.write(  # type: ignore[attr-defined]

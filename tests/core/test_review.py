@@ -216,3 +216,77 @@ def test_one_redlock_unaffected_by_the_descriptor_limit_in_a_child(masters: Mast
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+# -- from a second review (code reading) ---------------------------------------------------------
+
+
+def test_a_lease_not_held_at_its_renewal_is_left_out_not_the_masters(masters: Masters) -> None:
+    # A lease whose validity ended (or that was released) just before its renewal was sent
+    # went out with extension number 0; every master answered '2' for it, the reply was
+    # taken for garbage and every master of the client was marked down.
+    now = [1000.0]
+    rl = make_redlock(masters, clock=lambda: now[0])
+    expired = rl.acquire("expired", 30)
+    now[0] += 31  # its validity ended; its key is still on the masters
+    healthy = rl.acquire("healthy", 30)
+    outcomes = rl._renew_many([expired, healthy], [30.0, 30.0])
+    assert outcomes[1] == "ok"
+    assert outcomes[0] != "ok"
+    assert not any(m.down for m in rl.masters)
+    assert not expired.held
+    assert healthy.held
+    healthy.release()
+
+
+def test_a_failed_shorter_extend_brings_the_next_renewal_forward(masters: Masters) -> None:
+    rl = make_redlock(masters, node_timeout=0.05)
+    lease = rl.acquire("soon", 30, auto_renew=True)  # renewed every 10 s
+    masters[1].pause()
+    masters[2].pause()
+    try:
+        with pytest.raises(QuorumUnavailable):
+            lease.extend(3)  # applied where it arrived; the deadline is now 3 s away
+    finally:
+        masters[1].resume()
+        masters[2].resume()
+    end = time.monotonic() + 4
+    while time.monotonic() < end:  # renewed in time, not at the planned 10 s
+        assert lease.held, f"lost: {lease.lost_reason}"
+        time.sleep(0.02)
+    lease.release()
+
+
+def test_extend_in_a_forked_child_raises_instead_of_hanging(masters: Masters) -> None:
+    rl = make_redlock(masters)
+    lease = rl.acquire("forked-extend", 10)
+    read, write = os.pipe()
+    with lease._ext_lock:  # a parent thread is extending it at fork time
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - reports through the pipe
+            try:
+                try:
+                    lease.extend(5)
+                    outcome = b"extended"
+                except LockLost:
+                    outcome = b"lost"
+                os.write(write, outcome)
+            finally:
+                os._exit(0)
+    os.close(write)
+    try:
+        ready = wait_for(lambda: select_readable(read), timeout=5, message="child hung")
+        assert ready
+        assert os.read(read, 16) == b"lost"
+    finally:
+        os.close(read)
+        with contextlib.suppress(ChildProcessError):
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    lease.release()
+
+
+def select_readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
