@@ -17,12 +17,14 @@ import contextlib
 import itertools
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "clean_state",
     "command_calls",
     "forget_masters",
+    "in_child",
     "keys_on",
     "lock_name",
     "make_redlock",
@@ -152,6 +155,32 @@ def command_calls(server: RedisServer, command: str = "evalsha") -> int:
         stats = conn.info("commandstats")
     entry = stats.get(f"cmdstat_{command.lower()}")
     return int(entry["calls"]) if entry else 0
+
+
+def in_child(body: Callable[[], bytes], timeout: float = 10.0) -> bytes:
+    """Run ``body`` in a forked child and return what it returned (or the repr of what it
+    raised, at most 200 bytes). The child is killed if it says nothing within ``timeout``
+    (a hang fails the test, it does not stall it)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        try:
+            try:
+                answer = body()
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                answer = repr(exc).encode()[:200]
+            os.write(write, answer)
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        return os.read(read, 4096) if ready else b"<the child said nothing: it hung>"
+    finally:
+        os.close(read)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def open_fds() -> int:

@@ -199,23 +199,13 @@ def test_one_redlock_unaffected_by_the_descriptor_limit_in_a_child(masters: Mast
     # The same in a forked child (its connections are new): acquire and release work.
     rl: Redlock = make_redlock(masters)
     rl.acquire("parent", 5).release()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - reports through the pipe
-        try:
-            with descriptors_above(1100):
-                lease = rl.acquire("child", 5)
-                os.write(write, b"ok" if lease.release() else b"no")
-        except BaseException as exc:  # noqa: BLE001 - reported
-            os.write(write, repr(exc).encode()[:200])
-        finally:
-            os._exit(0)
-    os.close(write)
-    try:
-        assert os.read(read, 256) == b"ok"
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
+
+    def acquire_and_release() -> bytes:
+        with descriptors_above(1100):
+            lease = rl.acquire("child", 5)
+            return b"ok" if lease.release() else b"no"
+
+    assert helpers.in_child(acquire_and_release) == b"ok"
 
 
 # -- from a second review (code reading) ---------------------------------------------------------
@@ -260,33 +250,14 @@ def test_a_failed_shorter_extend_brings_the_next_renewal_forward(masters: Master
 def test_extend_in_a_forked_child_raises_instead_of_hanging(masters: Masters) -> None:
     rl = make_redlock(masters)
     lease = rl.acquire("forked-extend", 10)
-    read, write = os.pipe()
+
+    def extend() -> bytes:
+        try:
+            lease.extend(5)
+        except LockLost:
+            return b"lost"
+        return b"extended"
+
     with lease._ext_lock:  # a parent thread is extending it at fork time
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - reports through the pipe
-            try:
-                try:
-                    lease.extend(5)
-                    outcome = b"extended"
-                except LockLost:
-                    outcome = b"lost"
-                os.write(write, outcome)
-            finally:
-                os._exit(0)
-    os.close(write)
-    try:
-        ready = wait_for(lambda: select_readable(read), timeout=5, message="child hung")
-        assert ready
-        assert os.read(read, 16) == b"lost"
-    finally:
-        os.close(read)
-        with contextlib.suppress(ChildProcessError):
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
+        assert helpers.in_child(extend, timeout=5) == b"lost"
     lease.release()
-
-
-def select_readable(fd: int) -> bool:
-    import select
-
-    return bool(select.select([fd], [], [], 0)[0])

@@ -9,7 +9,6 @@ loss, ``fence`` after release, ``locked``/``owned``, claims over the lock's own 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -287,24 +286,15 @@ def test_fence_raises_in_a_forked_child(masters: Masters) -> None:
     rl = make_redlock(masters)
     lease = rl.acquire("forked", 5)
     _ = lease.fence
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
+
+    def read_fence() -> bytes:
         try:
-            try:
-                _ = lease.fence
-                outcome = b"returned"
-            except LockLost:
-                outcome = b"lost"
-            os.write(write, outcome)
-        finally:
-            os._exit(0)
-    os.close(write)
-    try:
-        assert os.read(read, 16) == b"lost"
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
+            _ = lease.fence
+        except LockLost:
+            return b"lost"
+        return b"returned"
+
+    assert helpers.in_child(read_fence) == b"lost"
     assert lease.held
     lease.release()
 
