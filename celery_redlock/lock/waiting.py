@@ -7,13 +7,27 @@ limit, so it is used where it exists. Under gevent's aggressive monkey-patching 
 removed and ``select.select`` is gevent's own (no ``FD_SETSIZE`` limit either), so the
 fallback keeps both working; the standard library's ``selectors`` would add an object and a
 registration per call on the hot path for nothing more.
+
+Under eventlet's monkey-patching, ``select.select`` is eventlet's green one, and it cannot be
+used with more than one socket: eventlet's hub gathers the callbacks of every descriptor one
+poll found ready before it runs them, and each callback of its ``select`` switches to the
+waiting greenlet unconditionally. When two masters answer together, the first callback
+resumes our round; the second one is run later and resumes the same greenlet again, inside
+whatever blocking call it made next: a task body's ``time.sleep(1.5)`` returned after a
+millisecond. So under eventlet the wait registers its own one-shot listeners (only the first
+event of a wait resumes it; the rest find the wait over and do nothing), and which sockets
+are ready is then asked of the real, unpatched ``poll`` without blocking. eventlet has no
+public primitive for "the first of several descriptors" that avoids this; its ``trampoline``
+waits on one.
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["readable", "writable"]
 
@@ -31,7 +45,10 @@ def _wait(
     if not socks:
         return []
     poll = getattr(select, "poll", None)
-    if poll is None:  # gevent's patched select module, or a platform without poll
+    if poll is None:  # eventlet's or gevent's patched select module, or no poll here
+        green = sys.modules.get("eventlet.green.select")
+        if green is not None and select.select is getattr(green, "select", None):
+            return _eventlet_wait(socks, write, timeout)
         if write:
             return list(select.select([], socks, [], max(timeout, 0.0))[1])
         return list(select.select(socks, [], [], max(timeout, 0.0))[0])
@@ -44,6 +61,63 @@ def _wait(
     # poll takes milliseconds; round up so a short wait never becomes a busy poll of 0.
     ms = max(0.0, timeout) * 1000.0
     return [by_fd[fd] for fd, _ in poller.poll(ms if ms == 0.0 else max(ms, 1.0))]
+
+
+def _eventlet_wait(
+    socks: Sequence[socket.socket], write: bool, timeout: float
+) -> list[socket.socket]:
+    """Wait under eventlet: resumed once, by the first ready socket or the timeout."""
+    import eventlet
+    from eventlet.hubs import get_hub
+
+    real: Any = eventlet.patcher.original("select")
+    events = (
+        real.POLLOUT | real.POLLERR | real.POLLHUP
+        if write
+        else real.POLLIN | real.POLLPRI | real.POLLERR | real.POLLHUP
+    )
+
+    def ready_now() -> list[socket.socket]:
+        poller = real.poll()
+        by_fd = {}
+        for sock in socks:
+            by_fd[sock.fileno()] = sock
+            poller.register(sock.fileno(), events)
+        return [by_fd[fd] for fd, _ in poller.poll(0)]
+
+    found = ready_now()
+    if found or timeout <= 0:
+        return found
+    hub = get_hub()
+    current = eventlet.getcurrent()
+    if hub.greenlet is current:
+        raise RuntimeError("a lock round cannot wait inside eventlet's hub")
+    waiting = [True]
+
+    def resume(*_: Any) -> None:
+        if waiting[0]:
+            waiting[0] = False
+            current.switch()
+
+    def fail(*exc: Any) -> None:
+        if waiting[0]:
+            waiting[0] = False
+            current.throw(*exc)
+
+    timer = hub.schedule_call_global(timeout, resume)
+    kind = hub.WRITE if write else hub.READ
+    listeners = []
+    try:
+        for sock in socks:
+            # one by one, so the finally removes those added before a failing one
+            listeners.append(hub.add(kind, sock.fileno(), resume, fail, lambda: None))  # noqa: PERF401
+        hub.switch()
+    finally:
+        waiting[0] = False
+        for listener in listeners:
+            hub.remove(listener)
+        timer.cancel()
+    return ready_now()
 
 
 def readable(socks: Sequence[socket.socket], timeout: float) -> list[socket.socket]:
