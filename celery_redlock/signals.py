@@ -23,7 +23,9 @@ __all__ = [
     "lock_contended",
     "lock_lost",
     "lock_released",
+    "lock_renewed",
     "lock_unavailable",
+    "master_state",
 ]
 
 #: The lock was taken before the body runs. Arguments: ``key``, ``lease``,
@@ -43,6 +45,17 @@ lock_unavailable = Signal(name="redlock_lock_unavailable")
 #: ``held_for`` (seconds), ``confirmed`` (a quorum confirmed the deletion; None when
 #: the release was sent without waiting, as after a body returns).
 lock_released = Signal(name="redlock_lock_released")
+
+#: The heartbeat renewed a held lock. Sender: None (the renewal engine serves every task
+#: of the process). Arguments: ``key``, ``lease``, ``took`` (seconds the renewal round
+#: took), ``margin`` (seconds of validity the lease had left when the round was sent:
+#: renewal lag shows as a shrinking margin; at 0 the lock is lost).
+lock_renewed = Signal(name="redlock_lock_renewed")
+
+#: A master stopped answering (``up=False``) or answers again (``up=True``); sent on the
+#: transition, as seen by this process. Sender: None. Arguments: ``master`` (its name,
+#: without credentials), ``up``, ``error`` (why it is down; ``""`` when up).
+master_state = Signal(name="redlock_master_state")
 
 #: The heartbeat could not keep the lock while the body ran. Arguments: ``key``,
 #: ``lease``, ``task_id``, ``reason``, ``policy`` (``"log"`` or ``"interrupt"``).

@@ -56,6 +56,28 @@ def install(app: Any) -> None:
     celery_signals.beat_init.connect(
         _on_beat_init, dispatch_uid="celery_redlock.beat_init", weak=False
     )
+    _forward_core_events()
+
+
+def _forward_master_state(**arguments: Any) -> None:
+    from . import signals
+
+    signals.master_state.send(sender=None, **arguments)
+
+
+def _forward_lock_renewed(**arguments: Any) -> None:
+    from . import signals
+
+    if signals.lock_renewed.receivers:
+        signals.lock_renewed.send(sender=None, **arguments)
+
+
+def _forward_core_events() -> None:
+    """Re-send the lock core's events (it imports no Celery) as our Celery signals."""
+    from .lock import events
+
+    events.subscribe("master_state", _forward_master_state)
+    events.subscribe("lock_renewed", _forward_lock_renewed)
 
 
 def validate_app(app: Any) -> None:

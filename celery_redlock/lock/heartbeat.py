@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from . import process
+from . import events, process
 from .callbacks import dispatch_lost
 from .lease import HELD
 
@@ -364,6 +364,8 @@ class Heartbeat:
             raise
         if not renew:
             return
+        sent = self._clock()
+        margins = [lease.deadline - sent for lease in renew]
         try:
             outcomes = redlock._renew_many(renew, ttls)
         except Exception as exc:  # noqa: BLE001 - treated as a failed renewal
@@ -374,11 +376,13 @@ class Heartbeat:
                 lease._ext_lock.release()
         now = self._clock()
         renewed: list[Lease] = []
-        for lease, outcome in zip(renew, outcomes, strict=True):
+        renewed_margins: list[float] = []
+        for lease, outcome, margin in zip(renew, outcomes, margins, strict=True):
             if lease.state != HELD:
                 self.remove(lease)
             elif outcome == "ok":
                 renewed.append(lease)
+                renewed_margins.append(margin)
             elif outcome == "gone":
                 self.remove(lease)
                 lease._lose("a quorum of masters no longer knows this holder")
@@ -387,6 +391,11 @@ class Heartbeat:
         self._schedule_many((now + lease.renew_every, lease) for lease in renewed)
         with self._cond:
             self.renewals += len(renewed)
+        if renewed and events.listening("lock_renewed"):
+            for lease, margin in zip(renewed, renewed_margins, strict=True):
+                events.emit(
+                    "lock_renewed", key=lease.key, lease=lease, took=now - sent, margin=margin
+                )
 
     def _take_for_renewal(
         self, redlock: Redlock, leases: list[Lease], renew: list[Lease]

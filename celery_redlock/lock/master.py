@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
-from . import waiting, wire
+from . import events, waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -413,6 +413,8 @@ class Master:
         if self.down:
             return
         self.down = True
+        if events.listening("master_state"):
+            events.emit("master_state", master=self.name, up=False, error=error)
         now = time.monotonic()
         if now >= self._quiet_until:
             self._quiet_until = now + LOG_PERIOD
@@ -428,6 +430,8 @@ class Master:
             if self._said_down:
                 self._said_down = False
                 logger.info("master %s answers again", self.name)
+            if events.listening("master_state"):
+                events.emit("master_state", master=self.name, up=True, error="")
         self.last_error = ""
 
     def note_unreached(self, error: str) -> None:
