@@ -95,6 +95,8 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "outage_backoff": (1, 10),
         "beat_leader": True,
         "beat_lease_ttl": 10,
+        "backend": "redis",
+        "backend_force": False,
     }
 )
 
@@ -488,6 +490,10 @@ class RedlockSettings:
     outage_backoff: Backoff = _OUTAGE_BACKOFF
     beat_leader: bool = True
     beat_lease_ttl: float = 10
+    #: ``"memory"``: the in-process backend for unit tests (:mod:`celery_redlock.memory`)
+    backend: Literal["redis", "memory"] = "redis"
+    #: let ``celery worker`` and beat use the memory backend (one process only)
+    backend_force: bool = False
 
     def __repr__(self) -> str:
         # Masters are described without their passwords: this repr may well be logged.
@@ -533,6 +539,8 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "outage_backoff": _backoff,
     "beat_leader": _bool,
     "beat_lease_ttl": lambda v: _seconds(v, MIN_TTL),
+    "backend": lambda v: _choice(v, ("redis", "memory")),
+    "backend_force": _bool,
 }
 
 
