@@ -381,10 +381,11 @@ def test_one_of_our_names_outside_the_namespace_is_a_warning_not_an_error(
     with caplog.at_level(logging.WARNING, logger="celery_redlock.settings"):
         settings = get_settings(django_app(REDLOCK_TTL=5))
     assert settings.ttl == 30
-    assert [r.getMessage() for r in caplog.records] == [
+    expected = (
         "setting REDLOCK_TTL is outside namespace 'CELERY' and never read by celery-redlock; "
         "write CELERY_REDLOCK_TTL if it is meant for celery-redlock"
-    ]
+    )
+    assert [r.getMessage() for r in caplog.records] == [expected]
 
 
 def test_another_librarys_redlock_setting_outside_the_namespace_is_left_alone(
