@@ -261,7 +261,8 @@ class ClearPlan:
 
     ``dumps[i]`` maps each Redis key found on master ``i`` to its ``DUMP`` (its value),
     so that :func:`delete_planned` deletes a key only where it still holds what was
-    listed; ``companions`` maps a lock's name to its metadata hash (deleted with it).
+    listed; ``companions`` maps a lock's name to its metadata hash, found beside it and
+    deleted with it.
     """
 
     dumps: list[dict[str, bytes]]
@@ -273,9 +274,7 @@ class ClearPlan:
     @property
     def names(self) -> list[str]:
         """Every Redis key that would be deleted (on at least one master), sorted."""
-        found = {name for dumps in self.dumps for name in dumps}
-        found |= {self.companions[name] for name in found if name in self.companions}
-        return sorted(found)
+        return sorted({name for dumps in self.dumps for name in dumps})
 
 
 def _is_anchor(suffix: str | None) -> bool:
@@ -327,12 +326,12 @@ def plan_clear(redlock: Redlock, key: str, *, pattern: bool = False) -> ClearPla
             continue
         # A lock's metadata goes with the lock (renewals rewrite it, so it is not
         # compared itself); metadata whose lock is gone is compared like any key.
-        for name in list(found):
+        for name in found:
             parts = split_redis_key(prefix, name)
             if parts is not None and parts[1] is None:
                 meta = redis_key(prefix, parts[0], "meta")
-                companions[name] = meta
-                found.pop(meta, None)
+                if meta in found:
+                    companions[name] = meta
     return ClearPlan(dumps, companions, sorted(kept), errors)
 
 
@@ -353,10 +352,14 @@ def delete_planned(
     for (master, client), found in zip(_clients(redlock), plan.dumps, strict=True):
         if not found or master.name in errors:
             continue
-        names = sorted(found)
+        # Metadata listed beside its lock is deleted with it, not compared itself.
+        riders = {plan.companions[n] for n in found if n in plan.companions}
+        riders &= set(found)
+        names = sorted(n for n in found if n not in riders)
         keys: list[str] = []
         for name in names:
-            keys += [name, plan.companions.get(name, name)]
+            companion = plan.companions.get(name)
+            keys += [name, companion if companion in riders else name]
         try:
             replies = client.eval(CLEAR_IF_UNCHANGED, len(keys), *keys, *(found[n] for n in names))
         except redis.RedisError as exc:
@@ -365,7 +368,7 @@ def delete_planned(
         for name, reply in zip(names, replies, strict=True):
             if reply == 1:
                 deleted.add(name)
-                if name in plan.companions:
+                if plan.companions.get(name) in riders:
                     deleted.add(plan.companions[name])
             else:
                 changed.add(name)

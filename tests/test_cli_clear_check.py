@@ -4,13 +4,16 @@ counts every task's ``lock_ttl``, ``ls`` survives foreign values (issues 15 and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from celery_redlock import Redlock, admin
-from celery_redlock.testing import Masters
+from celery_redlock import LockLost, Redlock, admin
+from celery_redlock.testing import Masters, wait_for
 
 from .test_cli import Cli, held_on
 from .test_cli import cli as cli
@@ -49,7 +52,7 @@ def test_clear_deletes_only_what_was_listed_and_confirmed(
 ) -> None:
     old = redlock.acquire("report:1", ttl=60)
     plan = admin.plan_clear(redlock, "report:*", pattern=True)
-    assert plan.names == ["redlock:{report:1}", "redlock:{report:1}:meta"]
+    assert plan.names == ["redlock:{report:1}"]
     # Between the listing and "y": the listed lock is released and taken again by a new
     # run, and another key appears. Neither was confirmed.
     old.release()
@@ -59,11 +62,14 @@ def test_clear_deletes_only_what_was_listed_and_confirmed(
     assert (deleted, changed, errors) == ([], ["redlock:{report:1}"], {})
     new.extend()  # raises LockLost if the clear had deleted it
     other.extend()
-    # Unchanged (only renewed) since the listing: deleted.
+    # Unchanged (only renewed: its TTL and its metadata's extension count move) since the
+    # listing: deleted, with its metadata.
     plan = admin.plan_clear(redlock, "report:2")
+    assert plan.names == ["redlock:{report:2}", "redlock:{report:2}:meta"]
     other.extend()
     deleted, changed, _ = admin.delete_planned(redlock, plan)
     assert (deleted, changed) == (["redlock:{report:2}", "redlock:{report:2}:meta"], [])
+    assert held_on(masters, "redlock:{report:2}:meta") == 0
     assert held_on(masters, "redlock:{report:2}") == 0
 
 
@@ -172,3 +178,59 @@ def test_a_bad_configuration_is_printed_not_a_traceback(
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert "error: celery-redlock is not configured correctly: redlock_ttl" in result.stderr
+
+
+def test_clear_at_the_prompt_keeps_what_changed_after_the_listing(
+    tmp_path: Path, redlock: Redlock, masters: Masters, cli: Cli
+) -> None:
+    """The operator's path: ``clear --all GLOB`` lists, waits at the prompt; meanwhile a listed
+    lock passes to a new run and a new lock appears; "y" deletes neither."""
+    first = redlock.acquire("report:1", ttl=60)
+    kept = redlock.acquire("report:2", ttl=60, meta={"task_id": "t2"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    env.update(REDLOCK_CLI_MASTERS=",".join(masters.urls), PYTHONPATH=str(tmp_path))
+    celery = Path(sys.executable).with_name("celery")
+    proc = subprocess.Popen(
+        [str(celery), "-A", "cliapp", "redlock", "clear", "--all", "report:*"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out: list[bytes] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read1(4096):  # type: ignore[attr-defined]
+            out.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: b"Delete these" in b"".join(out), timeout=30, message="the prompt")
+        first.release()
+        second = redlock.acquire("report:1", ttl=60)  # a new run took the listed key
+        late = redlock.acquire("report:3", ttl=60)  # not listed
+        assert proc.stdin is not None
+        proc.stdin.write(b"y\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    listed = b"".join(out).decode()
+    assert "redlock:{report:1}" in listed
+    assert "redlock:{report:3}" not in listed
+    assert "removed 2 keys" in listed  # report:2 and its metadata
+    assert held_on(masters, "redlock:{report:2}") == 0
+    assert held_on(masters, "redlock:{report:2}:meta") == 0
+    second.extend()  # raises LockLost if the clear had deleted it
+    late.extend()
+    with pytest.raises(LockLost):
+        kept.extend()
