@@ -187,6 +187,26 @@ def _worker(tmp_path: Path, force: bool) -> subprocess.Popen[bytes]:
     )
 
 
+def test_beat_refuses_the_memory_backend(tmp_path: Path) -> None:
+    (tmp_path / "memworker.py").write_text(WORKER_APP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    env.update(PYTHONPATH=str(tmp_path), FORCE="0")
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "memworker", "beat", "-l", "info",
+         "-s", str(tmp_path / "schedule")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "redlock_backend (Django: CELERY_REDLOCK_BACKEND) is 'memory'" in (
+        result.stdout + result.stderr
+    )
+
+
 def test_a_celery_worker_refuses_the_memory_backend(tmp_path: Path) -> None:
     proc = _worker(tmp_path, force=False)
     try:
