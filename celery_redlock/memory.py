@@ -6,8 +6,9 @@ process, with the semantics of the Redis backend: TTLs on the monotonic clock, l
 re-entrant, claims held by one value, fence tokens that only increase. No Redis is needed,
 so eager tasks (``task_always_eager``) and in-process test workers run without masters.
 
-It is not shared between processes: two ``celery worker`` processes would each see their
-own locks and run the same key at once. So a real worker (``celery worker``) and beat
+It is not shared between processes: two ``celery worker`` processes (or two prefork pool
+children, each with its own copy) would each see their own locks and run the same key at
+once. So a real worker (``celery worker``) and beat
 refuse it with :class:`~celery_redlock.exceptions.ImproperlyConfigured` unless
 ``redlock_backend_force = True``.
 
@@ -25,7 +26,7 @@ from typing import Any, cast
 
 from .exceptions import ImproperlyConfigured, LockContended, LockLost
 from .keys import validate_prefix
-from .lock import limits, process
+from .lock import limits, process, scripts
 from .lock.lease import Lease
 from .lock.master import MasterStatus
 from .lock.redlock import Redlock
@@ -125,6 +126,11 @@ class MemoryRedlock(Redlock):
             )
         if clear_companion is not None:
             self._check_companion(clear_companion)
+        fields = {str(k): str(v) for k, v in (meta or {}).items()}
+        if scripts.EXTENSION_FIELD in fields:
+            raise ValueError(
+                f"meta: the field {scripts.EXTENSION_FIELD!r} is reserved for the lock itself"
+            )
         name = self.lock_key(key)
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         while True:
@@ -137,7 +143,7 @@ class MemoryRedlock(Redlock):
                         expiry = now + ttl
                     token = process.token_hex()
                     self._values[name] = (token, expiry)
-                    self._meta[f"{name}:meta"] = {str(k): str(v) for k, v in (meta or {}).items()}
+                    self._meta[f"{name}:meta"] = fields
                     if clear_companion is not None:
                         self._delete_if(
                             self._claim_name(key, clear_companion[0]), clear_companion[1]
