@@ -7,6 +7,7 @@ retries). Nothing here is on a task's hot path.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,17 @@ from .keys import redis_key, split_redis_key
 from .lock import Redlock
 from .lock.master import Master
 
-__all__ = ["KeyRecord", "MasterReport", "check", "clear", "inspect_key", "list_keys"]
+__all__ = [
+    "ClearPlan",
+    "KeyRecord",
+    "MasterReport",
+    "check",
+    "clear",
+    "delete_planned",
+    "inspect_key",
+    "list_keys",
+    "plan_clear",
+]
 
 #: What each suffix of ``<prefix>:{<key>}:<suffix>`` is, for people.
 KINDS = {
@@ -29,8 +40,35 @@ KINDS = {
     "sent": "beat-claim",
     "run": "beat-run",
 }
+#: Written by ``check`` before 0.x (a hash without TTL): never listed nor cleared; ``check``
+#: no longer writes anything.
 CHECK_KEY = "__check__"
+#: The suffix of a beat entry's anchor (``celery_redlock.beat.ANCHOR_SUFFIX``, repeated
+#: here because this module stays Celery-free): ``<prefix>:{beat:<entry>}:anchor:<interval>``.
+ANCHOR_SUFFIX = "anchor"
 _SCAN_COUNT = 1000
+
+#: Compare-and-delete of what ``clear`` listed, on one master.
+#: KEYS[2i-1]: a key that was listed; KEYS[2i]: its lock's metadata hash, deleted with it
+#: (the same name again when it has none). ARGV[i]: that key's ``DUMP`` when listed (its
+#: value; renewals change only the TTL, which DUMP leaves out).
+#: Returns a list with 1 for each key deleted, 0 for one that changed or went since.
+CLEAR_IF_UNCHANGED = """
+local deleted = {}
+for i = 1, #ARGV do
+    local name, companion = KEYS[2 * i - 1], KEYS[2 * i]
+    if redis.call('DUMP', name) == ARGV[i] then
+        redis.call('DEL', name)
+        if companion ~= name then
+            redis.call('DEL', companion)
+        end
+        deleted[i] = 1
+    else
+        deleted[i] = 0
+    end
+end
+return deleted
+"""
 
 
 @dataclass
@@ -49,6 +87,8 @@ class KeyRecord:
     pid: str | None = None
     acquired_at: float | None = None
     fence: int | None = None
+    #: fields whose stored value is not what we write (a number): shown as unknown
+    unreadable: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +109,49 @@ def _text(value: Any) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+def _escape_glob(text: str) -> str:
+    """``text`` as a Redis ``MATCH`` pattern matching only itself."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _key_matches(prefix: str, key: str, *, pattern: bool) -> tuple[list[str], Any]:
+    """The ``MATCH`` patterns for the Redis keys of lock key ``key`` (a Redis glob when
+    ``pattern``), and a test on the lock key parsed back from a name.
+
+    ``<prefix>:{KEY}*`` alone would also match ``<prefix>:{KEY}x}`` (the lock of a key
+    that starts with ``KEY}``): the lock itself and its suffixed keys are matched apart.
+    """
+    glob = key if pattern else _escape_glob(key)
+    matches = [f"{prefix}:{{{glob}}}", f"{prefix}:{{{glob}}}:*"]
+    if pattern:
+        return matches, lambda found: True
+    return matches, lambda found: found == key
+
+
+def _scan_all(client: redis.Redis, matches: list[str]) -> Iterator[str]:
+    seen: set[str] = set()
+    for match in matches:
+        for name in _scan(client, match):
+            if name not in seen:
+                seen.add(name)
+                yield name
+
+
+def _number(text: str | None, kind: type[float] | type[int]) -> tuple[Any, bool]:
+    """``(value, ok)``: the number in ``text``; ``(None, False)`` for one that is not."""
+    if not text:
+        return None, True
+    try:
+        number = float(text)
+    except ValueError:
+        return None, False
+    if kind is int:
+        if number != number or number in (float("inf"), float("-inf")):
+            return None, False
+        return int(number), True
+    return number, True
+
+
 def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], dict[str, str]]:
     """Every lock, dedupe marker and beat claim whose key matches ``pattern``.
 
@@ -76,13 +159,13 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
     masters that could not be read, with the error.
     """
     prefix = redlock.key_prefix
-    match = f"{prefix}:{{{pattern}}}*"
+    matches, wanted = _key_matches(prefix, pattern, pattern=True)
     seen: dict[tuple[str, str | None], dict[str, Any]] = {}
     errors: dict[str, str] = {}
     n = len(redlock.masters)
     for master, client in _clients(redlock):
         try:
-            names = list(_scan(client, match))
+            names = list(_scan_all(client, matches))
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.type(name)
@@ -101,7 +184,7 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
             continue
         for i, name in enumerate(names):
             parts = split_redis_key(prefix, name)
-            if parts is None or parts[0] == CHECK_KEY:
+            if parts is None or parts[0] == CHECK_KEY or not wanted(parts[0]):
                 continue
             entry = seen.setdefault(parts, {"present": 0, "value": None, "ttl": None})
             entry["present"] += 1
@@ -135,10 +218,15 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
             lock.task = meta.get("task")
             lock.host = meta.get("host")
             lock.pid = meta.get("pid")
-            acquired = meta.get("acquired_at")
-            lock.acquired_at = float(acquired) if acquired else None
-        elif suffix == "fence" and lock is not None and entry["value"]:
-            lock.fence = int(float(entry["value"]))
+            # Anything may sit under a shared prefix: a value that is no number is
+            # shown as unknown, never a crash of the whole listing.
+            lock.acquired_at, ok = _number(meta.get("acquired_at"), float)
+            if not ok:
+                lock.unreadable.append("acquired_at")
+        elif suffix == "fence" and lock is not None:
+            lock.fence, ok = _number(entry["value"], int)
+            if not ok:
+                lock.unreadable.append("fence")
     rows = sorted(records.values(), key=lambda r: (r.kind, r.key))
     return rows, errors
 
@@ -149,7 +237,11 @@ def inspect_key(redlock: Redlock, key: str) -> list[dict[str, Any]]:
     for master, client in _clients(redlock):
         row: dict[str, Any] = {"master": master.name}
         try:
-            for name in sorted(_scan(client, redis_key(redlock.key_prefix, key) + "*")):
+            matches, wanted = _key_matches(redlock.key_prefix, key, pattern=False)
+            for name in sorted(_scan_all(client, matches)):
+                parts = split_redis_key(redlock.key_prefix, name)
+                if parts is None or not wanted(parts[0]):
+                    continue
                 kind = _text(client.type(name))
                 value: Any = client.hgetall(name) if kind == "hash" else client.get(name)
                 if isinstance(value, dict):
@@ -163,32 +255,140 @@ def inspect_key(redlock: Redlock, key: str) -> list[dict[str, Any]]:
     return rows
 
 
-def clear(
-    redlock: Redlock, pattern: str, *, dry_run: bool = False
-) -> tuple[list[str], dict[str, str]]:
-    """Force-delete locks, metadata, dedupe markers and beat claims matching ``pattern``.
+@dataclass
+class ClearPlan:
+    """What ``clear`` found, per master, to be shown before anything is deleted.
 
-    Fence counters are kept, so tokens keep increasing after a forced clear.
-    Returns the Redis key names deleted (or that would be) and per-master errors.
+    ``dumps[i]`` maps each Redis key found on master ``i`` to its ``DUMP`` (its value),
+    so that :func:`delete_planned` deletes a key only where it still holds what was
+    listed; ``companions`` maps a lock's name to its metadata hash, found beside it and
+    deleted with it.
+    """
+
+    dumps: list[dict[str, bytes]]
+    companions: dict[str, str]
+    #: beat anchors matched but left out (see :func:`plan_clear`)
+    kept_anchors: list[str]
+    errors: dict[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        """Every Redis key that would be deleted (on at least one master), sorted."""
+        return sorted({name for dumps in self.dumps for name in dumps})
+
+
+def _is_anchor(suffix: str | None) -> bool:
+    return suffix is not None and suffix.split(":", 1)[0] == ANCHOR_SUFFIX
+
+
+def plan_clear(redlock: Redlock, key: str, *, pattern: bool = False) -> ClearPlan:
+    """Find the locks, metadata, dedupe markers and beat claims of ``key``, on every master.
+
+    ``key`` is a lock key matched literally (``report:[1, 2]`` is that key, and
+    ``report:1`` is not ``report:1}x``), or with ``pattern=True`` a Redis glob over lock
+    keys. Fence counters are never included (tokens keep increasing after a forced
+    clear). Beat anchors (``beat:<entry>`` with suffix ``anchor:<interval>``) are left out
+    of a pattern, since a new anchor renumbers the entry's occurrences: they are cleared
+    only when their key is given literally, and are listed in ``kept_anchors`` otherwise.
+    Nothing is deleted here: see :func:`delete_planned`.
     """
     prefix = redlock.key_prefix
-    removed: set[str] = set()
+    matches, wanted = _key_matches(prefix, key, pattern=pattern)
+    dumps: list[dict[str, bytes]] = []
+    companions: dict[str, str] = {}
+    kept: set[str] = set()
     errors: dict[str, str] = {}
     for master, client in _clients(redlock):
+        found: dict[str, bytes] = {}
+        dumps.append(found)
         try:
-            names = [
-                name
-                for name in _scan(client, f"{prefix}:{{{pattern}}}*")
-                if (parts := split_redis_key(prefix, name)) is not None
-                and parts[1] != "fence"
-                and parts[0] != CHECK_KEY
-            ]
-            if names and not dry_run:
-                client.delete(*names)
-            removed.update(names)
+            names: list[str] = []
+            for name in _scan_all(client, matches):
+                parts = split_redis_key(prefix, name)
+                if parts is None or parts[0] == CHECK_KEY or not wanted(parts[0]):
+                    continue
+                if parts[1] == "fence":
+                    continue
+                if pattern and _is_anchor(parts[1]):
+                    kept.add(name)
+                    continue
+                names.append(name)
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.dump(name)
+            found.update(
+                (name, dumped)
+                for name, dumped in zip(names, pipe.execute(), strict=True)
+                if dumped is not None
+            )
         except redis.RedisError as exc:
             errors[master.name] = str(exc)
-    return sorted(removed), errors
+            continue
+        # A lock's metadata goes with the lock (renewals rewrite it, so it is not
+        # compared itself); metadata whose lock is gone is compared like any key.
+        for name in found:
+            parts = split_redis_key(prefix, name)
+            if parts is not None and parts[1] is None:
+                meta = redis_key(prefix, parts[0], "meta")
+                if meta in found:
+                    companions[name] = meta
+    return ClearPlan(dumps, companions, sorted(kept), errors)
+
+
+def delete_planned(
+    redlock: Redlock, plan: ClearPlan
+) -> tuple[list[str], list[str], dict[str, str]]:
+    """Delete what ``plan`` listed, on each master only where it is unchanged.
+
+    One atomic compare-and-delete per master (:data:`CLEAR_IF_UNCHANGED`): a key whose
+    value changed since it was listed (a lock released and taken again, a new dedupe
+    marker) or that appeared since is left alone. Returns the Redis keys deleted on at
+    least one master, those kept because they changed everywhere they were, and the
+    per-master errors.
+    """
+    deleted: set[str] = set()
+    changed: set[str] = set()
+    errors = dict(plan.errors)
+    for (master, client), found in zip(_clients(redlock), plan.dumps, strict=True):
+        if not found or master.name in errors:
+            continue
+        # Metadata listed beside its lock is deleted with it, not compared itself.
+        riders = {plan.companions[n] for n in found if n in plan.companions}
+        riders &= set(found)
+        names = sorted(n for n in found if n not in riders)
+        keys: list[str] = []
+        for name in names:
+            companion = plan.companions.get(name)
+            keys += [name, companion if companion in riders else name]
+        try:
+            replies = client.eval(CLEAR_IF_UNCHANGED, len(keys), *keys, *(found[n] for n in names))
+        except redis.RedisError as exc:
+            errors[master.name] = str(exc)
+            continue
+        for name, reply in zip(names, replies, strict=True):
+            if reply == 1:
+                deleted.add(name)
+                if plan.companions.get(name) in riders:
+                    deleted.add(plan.companions[name])
+            else:
+                changed.add(name)
+    return sorted(deleted), sorted(changed - deleted), errors
+
+
+def clear(
+    redlock: Redlock, key: str, *, pattern: bool = False, dry_run: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """:func:`plan_clear` then :func:`delete_planned`: force-delete ``key``'s locks,
+    metadata, dedupe markers and beat claims (fence counters stay).
+
+    Returns the Redis key names deleted (or, with ``dry_run``, that would be) and the
+    per-master errors.
+    """
+    plan = plan_clear(redlock, key, pattern=pattern)
+    if dry_run:
+        return plan.names, plan.errors
+    deleted, _, errors = delete_planned(redlock, plan)
+    return deleted, errors
 
 
 @dataclass
@@ -201,6 +401,7 @@ class MasterReport:
     error: str | None = None
     version: str | None = None
     run_id: str | None = None
+    #: always None: ``check`` keeps no history (it writes nothing); kept for --json readers
     previous_run_id: str | None = None
     uptime_s: int | None = None
     clock_offset_ms: float | None = None
@@ -220,14 +421,16 @@ def check(
     """Probe every master; return the reports and whether a quorum is reachable.
 
     Warns about persistence that lets a restarted master forget locks (no AOF
-    with ``appendfsync always`` and a restart sooner than ``max_ttl``), clock
-    skew between masters, run_id changes since the last check, and keys under
-    our prefix that do not follow our layout (a prefix shared with something else).
+    with ``appendfsync always`` and a restart sooner than ``max_ttl``, which should be
+    the longest TTL any lock of the app uses), clock skew between masters, a master up
+    for less than ``max_ttl`` (restarted recently), and keys under our prefix that do
+    not follow our layout (a prefix shared with something else).
+
+    Read-only: it sends PING, INFO, TIME, CONFIG GET and SCAN, and writes nothing.
     A master that is the same server as another one (the same run_id under two names,
     or another db number) has ``duplicate_of`` set and does not count as reachable.
     """
     reports: list[MasterReport] = []
-    check_key = redis_key(redlock.key_prefix, CHECK_KEY, "run-ids")
     # The client's own view first: it refuses a master whose run_id another one has.
     statuses = redlock.check_masters()
     for master, client in _clients(redlock):
@@ -253,26 +456,9 @@ def check(
             report.reachable = True
         except redis.RedisError as exc:
             report.error = str(exc)
-    # run_id history: every master keeps every master's last seen run_id, so a master
-    # that restarted empty is still remembered by the others.
-    history: dict[str, str] = {}
-    for _master, client in _clients(redlock):
-        try:
-            stored = client.hgetall(check_key)
-            history.update({_text(k) or "": _text(v) or "" for k, v in stored.items()})
-        except redis.RedisError:
-            continue
-    current = {r.name: r.run_id for r in reports if r.run_id}
     for report in reports:
         if not report.reachable:
             continue
-        previous = history.get(report.name)
-        if previous and previous != report.run_id:
-            report.previous_run_id = previous
-            report.warnings.append(
-                f"restarted since the last check (run_id {previous[:8]} -> "
-                f"{(report.run_id or '')[:8]})"
-            )
         if report.uptime_s is not None and report.uptime_s < max_ttl:
             report.warnings.append(
                 f"up for {report.uptime_s}s, less than the longest TTL ({max_ttl:g}s): "
@@ -308,8 +494,6 @@ def check(
         if not report.reachable:
             continue
         try:
-            if current:
-                client.hset(check_key, mapping=dict(current))  # type: ignore[arg-type]
             for count, name in enumerate(_scan(client, f"{redlock.key_prefix}:*"), 1):
                 if split_redis_key(redlock.key_prefix, name) is None:
                     report.foreign_keys += 1

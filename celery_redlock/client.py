@@ -21,6 +21,8 @@ def redlock_for(app: Any) -> Redlock:
     """The app's Redlock client (created on first use; safe across fork).
 
     A new client is built when the app's settings object changes (tests reset it).
+    With ``redlock_backend = "memory"`` it is a :class:`~celery_redlock.memory.MemoryRedlock`
+    (in-process, for unit tests).
     """
     settings = get_settings(app)
     entry = _clients.get(app)
@@ -29,12 +31,18 @@ def redlock_for(app: Any) -> Redlock:
     with _lock:
         entry = _clients.get(app)
         if entry is None or entry[0] is not settings:
-            client = Redlock(
-                list(settings.redis_urls),
-                key_prefix=settings.key_prefix,
-                node_timeout=settings.node_timeout,
-                clock_drift_factor=settings.clock_drift_factor,
-            )
+            client: Redlock
+            if settings.backend == "memory":
+                from .memory import MemoryRedlock
+
+                client = MemoryRedlock(key_prefix=settings.key_prefix)
+            else:
+                client = Redlock(
+                    list(settings.redis_urls),
+                    key_prefix=settings.key_prefix,
+                    node_timeout=settings.node_timeout,
+                    clock_drift_factor=settings.clock_drift_factor,
+                )
             if entry is not None:
                 entry[1].close()
             entry = (settings, client)

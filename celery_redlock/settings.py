@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
 import types
 import weakref
@@ -35,6 +36,8 @@ from .backoff import Backoff, parse_backoff
 from .exceptions import ImproperlyConfigured
 from .keys import KeyBuilder, compile_lock_key, validate_prefix
 from .lock import limits
+
+logger = logging.getLogger("celery_redlock.settings")
 
 __all__ = [
     "DEFAULTS",
@@ -52,6 +55,7 @@ __all__ = [
     "default_redis_url",
     "describe_master",
     "find_unknown_settings",
+    "find_unread_settings",
     "get_settings",
     "mask_url",
     "reset_settings",
@@ -91,6 +95,8 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "outage_backoff": (1, 10),
         "beat_leader": True,
         "beat_lease_ttl": 10,
+        "backend": "redis",
+        "backend_force": False,
     }
 )
 
@@ -484,6 +490,10 @@ class RedlockSettings:
     outage_backoff: Backoff = _OUTAGE_BACKOFF
     beat_leader: bool = True
     beat_lease_ttl: float = 10
+    #: ``"memory"``: the in-process backend for unit tests (:mod:`celery_redlock.memory`)
+    backend: Literal["redis", "memory"] = "redis"
+    #: let ``celery worker`` and beat use the memory backend (one process only)
+    backend_force: bool = False
 
     def __repr__(self) -> str:
         # Masters are described without their passwords: this repr may well be logged.
@@ -529,6 +539,8 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "outage_backoff": _backoff,
     "beat_leader": _bool,
     "beat_lease_ttl": lambda v: _seconds(v, MIN_TTL),
+    "backend": lambda v: _choice(v, ("redis", "memory")),
+    "backend_force": _bool,
 }
 
 
@@ -613,21 +625,18 @@ def _read_spellings(name: str, namespace: str | None) -> list[str]:
     return spellings
 
 
-def find_unknown_settings(
-    keys: Iterable[str], *, namespace: str | _Unset | None = UNSET
-) -> list[SettingProblem]:
-    """Find configuration keys that look like ours but are never read.
+def _in_namespace(key: str, namespace: str | None) -> bool:
+    """Whether ``key`` is in the app's namespace: with ``namespace="CELERY"`` only
+    ``CELERY_*`` names (any case) are; the rest of a Django settings module belongs to
+    Django and other libraries (``REDLOCK_RETRY_COUNT`` is another library's)."""
+    if not namespace:
+        return True
+    return key.lower().startswith(namespace.rstrip("_").lower() + "_")
 
-    ``keys`` are the names present in the configuration, or a Celery ``app.conf``
-    itself, whose namespace is then used unless ``namespace`` is given.
 
-    A key counts as ours when it starts with ``redlock_`` or ``celery_redlock_`` in
-    any case. It is a problem when the rest is no setting (the message suggests
-    the closest one, by :mod:`difflib`), or when Celery would not read it under
-    ``namespace`` (the prefix given to ``config_from_object``, e.g. ``"CELERY"``):
-    ``REDLOCK_TTL`` in a Django settings module, or ``CELERY_REDLOCK_TTL`` without
-    a namespace.
-    """
+def _keys_and_namespace(
+    keys: Iterable[str], namespace: str | _Unset | None
+) -> tuple[list[str], str | None]:
     if hasattr(keys, "maps"):
         _finalize(keys)
         if isinstance(namespace, _Unset):
@@ -636,10 +645,32 @@ def find_unknown_settings(
         keys = _conf_keys(keys)
     if isinstance(namespace, _Unset):
         namespace = None
+    return sorted(set(keys)), namespace
+
+
+def find_unknown_settings(
+    keys: Iterable[str], *, namespace: str | _Unset | None = UNSET
+) -> list[SettingProblem]:
+    """Find configuration keys in the app's namespace that look like ours but are never read.
+
+    ``keys`` are the names present in the configuration, or a Celery ``app.conf``
+    itself, whose namespace is then used unless ``namespace`` is given.
+
+    A key counts as ours when it starts with ``redlock_`` or ``celery_redlock_`` in
+    any case and lies in ``namespace`` (the prefix given to ``config_from_object``,
+    e.g. ``"CELERY"``: then only ``CELERY_*`` names are judged, so another library's
+    ``REDLOCK_RETRY_COUNT`` in a Django settings module is left alone; see
+    :func:`find_unread_settings` for our own names written outside it). It is a
+    problem when the rest is no setting (the message suggests the closest one, by
+    :mod:`difflib`), or when Celery would not read it under ``namespace``:
+    ``celery_redlock_ttl`` with ``namespace="CELERY"``, or ``CELERY_REDLOCK_TTL``
+    without a namespace.
+    """
+    keys, namespace = _keys_and_namespace(keys, namespace)
     problems: list[SettingProblem] = []
-    for key in sorted(set(keys)):
+    for key in keys:
         name = _redlock_name(key)
-        if name is None:
+        if name is None or not _in_namespace(key, namespace):
             continue
         if name in DEFAULTS:
             spellings = _read_spellings(name, namespace)
@@ -668,6 +699,35 @@ def find_unknown_settings(
             SettingProblem(key, "unknown", f"unknown celery-redlock setting {key}; {hint}")
         )
     return problems
+
+
+def find_unread_settings(
+    keys: Iterable[str], *, namespace: str | _Unset | None = UNSET
+) -> list[tuple[str, str]]:
+    """Our exact setting names written outside the app's namespace, as warnings.
+
+    ``REDLOCK_TTL`` in a Django settings module read with ``namespace="CELERY"`` is
+    never read (Celery reads ``CELERY_REDLOCK_TTL``), but the name may as well be
+    another library's: it is not an error, only worth a log line (and a Django
+    check warning). Returns ``(name, sentence)`` per such name.
+    """
+    keys, namespace = _keys_and_namespace(keys, namespace)
+    found: list[tuple[str, str]] = []
+    for key in keys:
+        name = _redlock_name(key)
+        if (
+            namespace
+            and name is not None
+            and name in DEFAULTS
+            and not _in_namespace(key, namespace)
+        ):
+            use = _read_spellings(name, namespace)[0]
+            message = (
+                f"setting {key} is outside namespace {namespace.rstrip('_')!r} and never read by "
+                f"celery-redlock; write {use} if it is meant for celery-redlock"
+            )
+            found.append((key, message))
+    return found
 
 
 # -- reading app.conf ----------------------------------------------------------------------
@@ -712,7 +772,10 @@ def settings_from_conf(conf: Any) -> RedlockSettings:
     broker_url = getattr(conf, "broker_url", None) or conf.get("broker_url")
     settings, problems = check_values(values, broker_url=broker_url)
     namespace = getattr(conf, "prefix", None)
-    problems += find_unknown_settings(_conf_keys(conf), namespace=namespace)
+    keys = _conf_keys(conf)
+    problems += find_unknown_settings(keys, namespace=namespace)
+    for _, warning in find_unread_settings(keys, namespace=namespace):
+        logger.warning("%s", warning)
     _raise_problems(problems, "the celery-redlock settings")
     assert settings is not None
     return settings

@@ -106,6 +106,14 @@ class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships n
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         validate_app(worker.app)
+        from celery.apps.worker import Worker
+
+        # `celery worker` (not an in-process test worker, which is no apps.worker.Worker)
+        settings = get_settings(worker.app)
+        if settings.backend == "memory" and isinstance(worker, Worker):
+            from .memory import refuse_in_shared_process
+
+            refuse_in_shared_process(settings.backend_force, "a celery worker")
         super().__init__(worker, **kwargs)
 
 
@@ -177,6 +185,11 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
         return
     try:
         validate_app(app)
+        settings = get_settings(app)
+        if settings.backend == "memory":
+            from .memory import refuse_in_shared_process
+
+            refuse_in_shared_process(settings.backend_force, "beat")
     except ImproperlyConfigured as exc:
         logger.critical("celery-redlock: %s", exc)
         # Signal.send swallows Exception subclasses; SystemExit stops beat at start.

@@ -214,7 +214,7 @@ def test_clear_asks_first_and_refuses_what_could_clear_too_much(
     for key in ("account:1", "account:2", "report:1"):
         redlock.acquire(key, ttl=60).fence  # noqa: B018 - reading it commits a fence counter
 
-    for args in [(), ("",), ("account:*",)]:  # nothing, empty, or a pattern without --all
+    for args in [(), ("",), ("--pattern",)]:  # nothing, empty, or --pattern without a glob
         refused = cli("clear", *args)
         assert refused.returncode == 2, (args, refused.stdout)
         assert "Usage:" in refused.stderr
@@ -233,7 +233,12 @@ def test_clear_asks_first_and_refuses_what_could_clear_too_much(
     assert held_on(masters, "redlock:{account:1}") == 0
     assert held_on(masters, "redlock:{account:1}:fence") == 3  # tokens keep increasing
 
-    many = cli("clear", "--all", "account:*", "--yes")
+    literal = cli("clear", "account:*", "--yes")  # exact by default: no key is named that
+    assert literal.returncode == 0, literal.stderr
+    assert "matched exactly; add --pattern" in literal.stdout
+    assert held_on(masters, "redlock:{account:2}") == 3
+
+    many = cli("clear", "--pattern", "account:*", "--yes")
     assert many.returncode == 0, many.stderr
     assert "redlock:{account:2}" in many.stdout
     assert "report" not in many.stdout

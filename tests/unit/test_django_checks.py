@@ -97,17 +97,24 @@ def test_settings_that_do_not_fit_together_are_e002() -> None:
     assert "CELERY_REDLOCK_TTL" in message["msg"]
 
 
-def test_misspelled_and_unread_names_are_e003_with_the_right_name() -> None:
-    report = run_checks_with(CELERY_REDLOCK_DEDUP="queued", REDLOCK_TTL=10)
+def test_misspelled_names_are_e003_and_our_names_outside_the_namespace_w001() -> None:
+    report = run_checks_with(CELERY_REDLOCK_DEDUP="queued", REDLOCK_TTL=10, REDLOCK_RETRY_COUNT=3)
     messages = {m["obj"]: m for m in report["messages"]}
-    assert ids(report) == ["celery_redlock.E003", "celery_redlock.E003"]
+    assert ids(report) == ["celery_redlock.E003", "celery_redlock.W001"]
     assert messages["settings.CELERY_REDLOCK_DEDUP"]["msg"] == (
         "unknown celery-redlock setting CELERY_REDLOCK_DEDUP; did you mean CELERY_REDLOCK_DEDUPE?"
     )
     assert messages["settings.REDLOCK_TTL"]["msg"] == (
-        "setting REDLOCK_TTL is never read by this app with namespace='CELERY'; "
-        "write CELERY_REDLOCK_TTL"
+        "setting REDLOCK_TTL is outside namespace 'CELERY' and never read by celery-redlock; "
+        "write CELERY_REDLOCK_TTL if it is meant for celery-redlock"
     )
+    assert not messages["settings.REDLOCK_TTL"]["error"]
+
+
+def test_another_librarys_redlock_setting_passes_the_checks() -> None:
+    # Issue 15 item 10: REDLOCK_RETRY_COUNT (outside Celery's namespace) is not ours.
+    report = run_checks_with(REDLOCK_RETRY_COUNT=3, REDLOCK_RETRY_DELAY=200)
+    assert report == {"messages": [], "command": "ok"}
 
 
 def test_passwords_in_masters_never_reach_the_check_output() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from collections.abc import Iterator
@@ -373,13 +374,35 @@ def test_misspelled_django_setting_suggests_the_django_spelling() -> None:
     )
 
 
-def test_a_setting_outside_the_namespace_is_reported_as_never_read() -> None:
-    with pytest.raises(ImproperlyConfigured) as caught:
-        get_settings(django_app(REDLOCK_TTL=5))
-    assert str(caught.value) == (
-        "setting REDLOCK_TTL is never read by this app with namespace='CELERY'; "
-        "write CELERY_REDLOCK_TTL"
+def test_one_of_our_names_outside_the_namespace_is_a_warning_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # REDLOCK_TTL may be another library's: never read by us, so logged, not refused.
+    with caplog.at_level(logging.WARNING, logger="celery_redlock.settings"):
+        settings = get_settings(django_app(REDLOCK_TTL=5))
+    assert settings.ttl == 30
+    expected = (
+        "setting REDLOCK_TTL is outside namespace 'CELERY' and never read by celery-redlock; "
+        "write CELERY_REDLOCK_TTL if it is meant for celery-redlock"
     )
+    assert [r.getMessage() for r in caplog.records] == [expected]
+
+
+def test_another_librarys_redlock_setting_outside_the_namespace_is_left_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 15 item 10: REDLOCK_RETRY_COUNT in a Django settings module stopped the worker.
+    with caplog.at_level(logging.WARNING, logger="celery_redlock.settings"):
+        settings = get_settings(
+            django_app(REDLOCK_RETRY_COUNT=3, redlock_retry_delay=1, CELERY_REDLOCK_TTL=12)
+        )
+    assert settings.ttl == 12
+    assert caplog.records == []
+
+
+def test_typos_inside_the_namespace_are_still_refused() -> None:
+    with pytest.raises(ImproperlyConfigured, match="did you mean CELERY_REDLOCK_DEDUPE"):
+        get_settings(django_app(REDLOCK_RETRY_COUNT=3, CELERY_REDLOCK_DEDUP=None))
 
 
 def test_a_django_spelling_without_a_namespace_is_reported_as_never_read() -> None:

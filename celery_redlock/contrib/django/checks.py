@@ -8,8 +8,11 @@ mistakes before deployment:
 * ``celery_redlock.E001``: a setting has a value that is not accepted;
 * ``celery_redlock.E002``: settings that are each valid do not fit together
   (``CELERY_REDLOCK_NODE_TIMEOUT`` not well below ``CELERY_REDLOCK_TTL``, ...);
-* ``celery_redlock.E003``: a ``CELERY_REDLOCK_*`` name that is no setting, or a
-  ``REDLOCK_*`` name Celery never reads, with the closest correct name.
+* ``celery_redlock.E003``: a ``CELERY_REDLOCK_*`` name that is no setting, with the
+  closest correct name;
+* ``celery_redlock.W001``: one of our names outside the namespace (``REDLOCK_TTL``),
+  never read; a warning only, as the name may be another library's. Other
+  ``REDLOCK_*`` names (``REDLOCK_RETRY_COUNT``) are not ours to judge.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import os
 from typing import Any, Final
 
 from django.conf import settings
-from django.core.checks import Error
+from django.core.checks import Error, Warning  # noqa: A004 - Django's name
 
 from celery_redlock.settings import (
     DEFAULTS,
     SettingProblem,
     check_values,
     find_unknown_settings,
+    find_unread_settings,
     setting_names,
 )
 
@@ -40,6 +44,9 @@ _IDS: Final = {
     "conflict": "celery_redlock.E002",
     "unknown": "celery_redlock.E003",
 }
+#: One of our setting names outside the namespace (``REDLOCK_TTL``): never read, maybe
+#: another library's, so a warning only.
+_UNREAD_ID: Final = "celery_redlock.W001"
 
 
 def _error(problem: SettingProblem) -> Any:
@@ -66,4 +73,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     )
     _, problems = check_values(values, broker_url=broker_url)
     problems += find_unknown_settings(dir(settings), namespace=NAMESPACE)
-    return [_error(problem) for problem in problems]
+    errors = [_error(problem) for problem in problems]
+    warnings = [
+        Warning(message, obj=f"settings.{name}", id=_UNREAD_ID)
+        for name, message in find_unread_settings(dir(settings), namespace=NAMESPACE)
+    ]
+    return errors + warnings

@@ -30,3 +30,8 @@ CELERY_REDLOCK_REDIS_URLS = os.environ.get("REDLOCK_TEST_MASTERS", _UNUSED).spli
 CELERY_REDLOCK_TTL = ast.literal_eval(os.environ.get("REDLOCK_TEST_DJANGO_TTL", "30"))
 CELERY_REDLOCK_ON_CONTENTION = "skip"
 CELERY_REDLOCK_DEDUPE = ast.literal_eval(os.environ.get("REDLOCK_TEST_DJANGO_DEDUPE", "None"))
+
+# Another library's settings outside Celery's namespace (issue 15 item 10): celery-redlock
+# judges only CELERY_REDLOCK_* names, so these never stop the worker or `manage.py check`.
+REDLOCK_RETRY_COUNT = 3
+REDLOCK_RETRY_DELAY = 200

@@ -1,0 +1,127 @@
+"""The in-process backend answers as the Redis backend does (issue 15 item 7).
+
+A Hypothesis state machine runs the same operations the Celery layer uses (acquire,
+release, extend, owned, locked, claim, unclaim, release_owned_by, fence) on a
+:class:`MemoryRedlock` and on a :class:`Redlock` over three real masters, and asserts the
+same answer from both after every step. TTLs are long here (nothing expires during a run);
+expiry on the monotonic clock is checked with an injected clock in
+tests/celery/test_memory_backend.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, rule
+
+from celery_redlock import LockContended, LockLost, Redlock
+from celery_redlock.memory import MemoryRedlock
+from celery_redlock.testing import Masters
+
+pytestmark = pytest.mark.timeout(180)
+
+KEYS = st.sampled_from(["a", "b", "report:[1, 2]"])
+VALUES = st.sampled_from(["t1", "t2"])
+TTL = 120
+
+
+def _outcome(call: Any) -> Any:
+    """What a call returned, or the type of what it raised."""
+    try:
+        return ("ok", call())
+    except (LockContended, LockLost) as exc:
+        return ("raised", type(exc).__name__)
+
+
+class SameAnswers(RuleBasedStateMachine):
+    masters: Masters
+
+    leases = Bundle("leases")
+
+    @initialize()
+    def fresh(self) -> None:
+        for server in self.masters:
+            with server.client() as conn:
+                conn.flushall()
+        self.real = Redlock(self.masters.urls)
+        self.memory = MemoryRedlock()
+        self.fences: dict[str, int] = {}
+
+    def teardown(self) -> None:
+        real = getattr(self, "real", None)
+        if real is not None:
+            real.close()
+
+    @rule(target=leases, key=KEYS, task_id=VALUES)
+    def acquire(self, key: str, task_id: str) -> Any:
+        meta = {"task_id": task_id}
+        real = _outcome(lambda: self.real.acquire(key, TTL, meta=meta))
+        memory = _outcome(lambda: self.memory.acquire(key, TTL, meta=meta))
+        assert (real[0], memory[0]) in (("ok", "ok"), ("raised", "raised"))
+        if real[0] == "raised":
+            assert real[1] == memory[1]
+            return None
+        return (key, real[1], memory[1])
+
+    @rule(pair=consumes(leases))
+    def release(self, pair: Any) -> None:
+        if pair is None:
+            return
+        _, real, memory = pair
+        assert real.release() == memory.release()
+
+    @rule(pair=leases)
+    def extend_and_owned(self, pair: Any) -> None:
+        if pair is None:
+            return
+        _, real, memory = pair
+        assert _outcome(real.extend)[0] == _outcome(memory.extend)[0]
+        assert real.owned() == memory.owned()
+        assert real.held == memory.held
+
+    @rule(pair=leases)
+    def fence_grows(self, pair: Any) -> None:
+        if pair is None:
+            return
+        key, real, memory = pair
+        real_fence = _outcome(lambda: real.fence)
+        memory_fence = _outcome(lambda: memory.fence)
+        assert real_fence[0] == memory_fence[0]
+        if memory_fence[0] == "ok":
+            # Values differ (Redis seeds from the wall clock); both only grow per key.
+            assert memory_fence[1] >= self.fences.get(key, 0)
+            self.fences[key] = memory_fence[1]
+
+    @rule(key=KEYS)
+    def locked(self, key: str) -> None:
+        assert self.real.locked(key) == self.memory.locked(key)
+
+    @rule(key=KEYS, value=VALUES)
+    def claim(self, key: str, value: str) -> None:
+        assert self.real.claim(key, "dedupe", value, TTL, guard_for=0) == self.memory.claim(
+            key, "dedupe", value, TTL, guard_for=0
+        )
+
+    @rule(key=KEYS, value=VALUES)
+    def unclaim(self, key: str, value: str) -> None:
+        assert self.real.unclaim(key, "dedupe", value) == self.memory.unclaim(key, "dedupe", value)
+
+    @rule(key=KEYS, task_id=VALUES)
+    def release_owned_by(self, key: str, task_id: str) -> None:
+        assert self.real.release_owned_by(key, "task_id", task_id) == (
+            self.memory.release_owned_by(key, "task_id", task_id)
+        )
+
+
+def test_memory_backend_answers_like_redis(masters: Masters) -> None:
+    SameAnswers.masters = masters
+    SameAnswers.TestCase.settings = settings(
+        max_examples=25,
+        stateful_step_count=20,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    SameAnswers.TestCase().runTest()
