@@ -48,6 +48,11 @@ DEDUPE_SUFFIX = "dedupe"
 OPTIONS_HEADER = "redlock_options"
 
 
+#: Serializers that give back a value of one of :data:`_PLAIN_TYPES` as itself.
+_PLAIN_SERIALIZERS = frozenset({"json", "pickle", "msgpack"})
+_PLAIN_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
 def message_serializer(task: Any, options: Mapping[str, Any]) -> str:
     """The serializer a publish of ``task`` with ``options`` uses, as Celery picks it."""
     name = options.get("serializer") or getattr(task, "serializer", None)
@@ -64,6 +69,10 @@ def wire_arguments(
     the arguments cannot be serialized the publish itself fails with kombu's error, so
     they are returned unchanged and the key is built from them.
     """
+    if serializer in _PLAIN_SERIALIZERS and all(
+        type(value) in _PLAIN_TYPES for value in (*args, *kwargs.values())
+    ):
+        return args, kwargs  # each of these comes back as itself: skip the round trip
     try:
         # kombu ships no type hints.
         content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
