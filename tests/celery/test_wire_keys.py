@@ -175,3 +175,23 @@ def test_publisher_and_worker_keys_are_the_same_text(ids: object, serializer: st
         body = dumps((args, kwargs, {"callbacks": None}), serializer=serializer)
         worker_args, worker_kwargs, _ = loads(body[2], body[0], body[1], force=True)
         assert published == build(worker_args, worker_kwargs)
+
+
+def test_the_main_process_clears_a_revoked_jobs_own_marker(env: CeleryEnv, make_app: Any) -> None:
+    """What the worker's main process does for a revoked or killed job (from the request's
+    wire-form arguments) clears that task's marker, not a marker of the key alone."""
+    from celery.app.task import Context
+
+    from celery_redlock.wiring import _release_killed
+
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="batch:{ids}")
+    def batch(ids: Any) -> int:
+        return len(ids)
+
+    first = batch.delay((1, 2))
+    assert len(_markers(env)) == 1
+    _release_killed(batch, Context(id=first.id, args=[[1, 2]], kwargs={}), "revoke")
+    assert _markers(env) == []
+    assert batch.delay((1, 2)).id != first.id
