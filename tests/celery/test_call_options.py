@@ -12,7 +12,7 @@ import pytest
 from celery_redlock import AlreadyQueued, ImproperlyConfigured, SingletonTask, redlock_for
 from celery_redlock.keys import redis_key
 
-from .redlock_testkit import CeleryEnv, SignalLog, opened_on_exit, queue_length, run_worker
+from .redlock_testkit import BROKERS, CeleryEnv, SignalLog, opened_on_exit, queue_length, run_worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,8 +91,9 @@ def test_bad_call_options_are_refused_by_name(
     assert queue_length(app, env.queue) == 1  # the refused publish sent nothing
 
 
+@pytest.mark.parametrize("env", BROKERS, indirect=True)
 def test_call_options_apply_at_run_time_through_reschedules_and_retries(
-    make_app: Any, signal_log: SignalLog
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
 ) -> None:
     """``lock_ttl`` and ``on_contention`` given at publish are what the worker uses, also
     after a contention reschedule and after the task's own ``retry()``."""
