@@ -3,8 +3,14 @@
 A task's lock key is, by default, ``"<task name>:<digest>"`` where the digest is a
 BLAKE2b hash of a canonical encoding of the task's bound arguments (or only of the
 ``unique_on`` names). With a ``lock_key`` format string the key is the formatted
-string itself, verbatim. Either way the key is wrapped in a hash tag in Redis,
-``<prefix>:{<key>}``, so every Redis key of one lock lands in one Cluster slot.
+string itself, verbatim up to :data:`MAX_KEY_LENGTH` characters (longer ones keep a
+readable prefix and end in a hash, :func:`cap_key`). Either way the key is wrapped in a
+hash tag in Redis, ``<prefix>:{<key>}``, so every Redis key of one lock lands in one
+Cluster slot.
+
+The task layer calls a key builder with the arguments in their wire form (after a round
+trip through the task's serializer, see :mod:`celery_redlock.identity`), on the publish
+side as on the worker, so a template or callable formats the same values on both sides.
 
 Which argument values make the same key
 =======================================
