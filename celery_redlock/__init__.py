@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import (
+    AlreadyQueued,
     ImproperlyConfigured,
     LockContended,
     LockLost,
@@ -21,6 +22,7 @@ from .exceptions import (
 from .lock import Lease, Redlock
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .client import redlock_for
     from .task import LockLostInterrupt, SingletonTask
     from .wiring import install
 
@@ -30,6 +32,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AlreadyQueued",
     "ImproperlyConfigured",
     "Lease",
     "LockContended",
@@ -42,6 +45,7 @@ __all__ = [
     "StaleFence",
     "__version__",
     "install",
+    "redlock_for",
 ]
 
 #: Celery-layer names, imported lazily so that the core works without Celery.
@@ -49,6 +53,7 @@ _LAZY: dict[str, str] = {
     "SingletonTask": ".task",
     "LockLostInterrupt": ".task",
     "install": ".wiring",
+    "redlock_for": ".client",
 }
 
 

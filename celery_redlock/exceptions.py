@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 __all__ = [
+    "AlreadyQueued",
     "ImproperlyConfigured",
     "LockContended",
     "LockLost",
@@ -86,6 +87,26 @@ class StaleFence(RedlockError):
         self.args = (*self.args, fence, current)
         self.fence = fence
         self.current = current
+
+
+class AlreadyQueued(RedlockError):
+    """A publish found an identical job already queued (``raise_on_duplicate``).
+
+    ``task_id`` is the queued job's id (``AsyncResult(exc.task_id)`` follows it) and
+    ``key`` the lock key both jobs share.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        key: str | None = None,
+        masters: Sequence[str] = (),
+        errors: Mapping[str, str] | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        super().__init__(message, key, masters, errors)
+        self.args = (*self.args, task_id)
+        self.task_id = task_id
 
 
 class ImproperlyConfigured(RedlockError, ValueError):

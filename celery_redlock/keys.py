@@ -3,8 +3,14 @@
 A task's lock key is, by default, ``"<task name>:<digest>"`` where the digest is a
 BLAKE2b hash of a canonical encoding of the task's bound arguments (or only of the
 ``unique_on`` names). With a ``lock_key`` format string the key is the formatted
-string itself, verbatim. Either way the key is wrapped in a hash tag in Redis,
-``<prefix>:{<key>}``, so every Redis key of one lock lands in one Cluster slot.
+string itself, verbatim up to :data:`MAX_KEY_LENGTH` characters (longer ones keep a
+readable prefix and end in a hash, :func:`cap_key`). Either way the key is wrapped in a
+hash tag in Redis, ``<prefix>:{<key>}``, so every Redis key of one lock lands in one
+Cluster slot.
+
+The task layer calls a key builder with the arguments in their wire form (after a round
+trip through the task's serializer, see :mod:`celery_redlock.identity`), on the publish
+side as on the worker, so a template or callable formats the same values on both sides.
 
 Which argument values make the same key
 =======================================
@@ -54,11 +60,13 @@ from typing import Any, TypeAlias
 from .exceptions import ImproperlyConfigured
 
 __all__ = [
+    "MAX_KEY_LENGTH",
     "KeyArgumentError",
     "KeyBuilder",
     "arguments_digest",
     "bind_arguments",
     "canonical_bytes",
+    "cap_key",
     "compile_lock_key",
     "occurrence_key",
     "redis_key",
@@ -74,6 +82,12 @@ KeyBuilder: TypeAlias = Callable[[Sequence[Any], Mapping[str, Any]], str]
 _PERSON = b"celery-redlock/1"
 _DIGEST_SIZE = 16
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+#: Longest lock key (in characters) a ``lock_key`` template or callable makes; a longer
+#: one keeps its first characters and ends in a hash of the whole text (:func:`cap_key`).
+MAX_KEY_LENGTH = 200
+_CAP_MARK = "~sha256:"
+_CAP_DIGITS = 32
 
 
 class KeyArgumentError(ImproperlyConfigured, TypeError):
@@ -434,6 +448,18 @@ def _compile_callable(lock_key: Callable[..., object], task_name: str) -> KeyBui
     return build
 
 
+def cap_key(key: str) -> str:
+    """Return ``key`` if it has at most :data:`MAX_KEY_LENGTH` characters, else a key of
+    exactly that length: its first characters, ``~sha256:`` and 32 hex digits of the
+    SHA-256 of the whole key (UTF-8), so the same long key always gives the same short one
+    and operators still read what it is about (``batch:[1, 2, 3, ...~sha256:9f86d0...``).
+    """
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_CAP_DIGITS]
+    return key[: MAX_KEY_LENGTH - len(_CAP_MARK) - _CAP_DIGITS] + _CAP_MARK + digest
+
+
 def _checked_key(key: object, task_name: str, what: str) -> str:
     if not isinstance(key, str) or not key:
         raise ImproperlyConfigured(
@@ -445,7 +471,7 @@ def _checked_key(key: object, task_name: str, what: str) -> str:
             f"{what} of task {task_name!r} gave {key!r}; a lock key must not start with '}}' "
             "(it would end the Redis Cluster hash tag before it began)"
         )
-    return key
+    return cap_key(key)
 
 
 def _compile_default(
@@ -492,7 +518,8 @@ def compile_lock_key(
         ``[]`` makes the key the task name alone. Not allowed with ``lock_key``.
     :returns: ``build(args, kwargs) -> key``. The default key is ``"<task>:<digest>"``,
         or the task name alone when no argument is selected; a format string gives
-        the formatted text verbatim.
+        the formatted text verbatim, up to :data:`MAX_KEY_LENGTH` characters (a longer
+        one is shortened by :func:`cap_key`, as is a callable's).
     :raises ImproperlyConfigured: at compile time, for a field or ``unique_on`` name
         that is not an argument (the message lists the valid names), a positional
         field, a malformed template or ``unique_on`` given with ``lock_key``; from

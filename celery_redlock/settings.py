@@ -40,6 +40,7 @@ from .lock import limits
 logger = logging.getLogger("celery_redlock.settings")
 
 __all__ = [
+    "CALL_OPTIONS",
     "DEFAULTS",
     "MIN_TTL",
     "UNSET",
@@ -62,7 +63,9 @@ __all__ = [
     "run_function",
     "setting_names",
     "settings_from_conf",
+    "validate_call_options",
     "validate_task_options",
+    "with_call_options",
 ]
 
 MasterSpec: TypeAlias = "str | Mapping[str, Any] | redis.Redis"
@@ -91,6 +94,7 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "max_contention_retries": None,
         "dedupe": "queued",
         "dedupe_ttl": 3600,
+        "raise_on_duplicate": False,
         "on_lock_lost": "log",
         "outage_backoff": (1, 10),
         "beat_leader": True,
@@ -486,6 +490,7 @@ class RedlockSettings:
     max_contention_retries: int | None = None
     dedupe: DedupeMode | None = "queued"
     dedupe_ttl: float = 3600
+    raise_on_duplicate: bool = False
     on_lock_lost: OnLockLost = "log"
     outage_backoff: Backoff = _OUTAGE_BACKOFF
     beat_leader: bool = True
@@ -535,6 +540,7 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "max_contention_retries": _retries,
     "dedupe": lambda v: _choice(v, ("queued", "active", None)),
     "dedupe_ttl": lambda v: _seconds(v, 0.0, limits.MAX_DEDUPE_TTL),
+    "raise_on_duplicate": _bool,
     "on_lock_lost": lambda v: _choice(v, ("log", "interrupt")),
     "outage_backoff": _backoff,
     "beat_leader": _bool,
@@ -823,6 +829,7 @@ _TASK_OPTIONS: Final[Mapping[str, str | None]] = {
     "max_contention_retries": "max_contention_retries",
     "dedupe": "dedupe",
     "on_lock_lost": "on_lock_lost",
+    "raise_on_duplicate": "raise_on_duplicate",
 }
 #: Options whose None means "not set"; for the others None is a value of its own.
 _NONE_IS_UNSET: Final = frozenset(
@@ -843,6 +850,7 @@ class TaskOptions:
     dedupe: DedupeMode | None
     on_lock_lost: OnLockLost
     build_key: KeyBuilder = field(repr=False, compare=False)
+    raise_on_duplicate: bool = False
 
     def lock_key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of one call; raises as the key builder does (see
@@ -954,8 +962,86 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
         dedupe=resolved["dedupe"],
         on_lock_lost=resolved["on_lock_lost"],
         build_key=build_key,
+        raise_on_duplicate=resolved["raise_on_duplicate"],
     )
 
 
 # task.py imported the helper under its first, private name.
 _run_function = run_function
+
+
+#: Task options a single publish may override: ``apply_async(..., redlock={...})``.
+CALL_OPTIONS: Final = ("dedupe", "lock_ttl", "on_contention", "raise_on_duplicate")
+
+
+def validate_call_options(
+    overrides: object, task_name: str, settings: RedlockSettings
+) -> dict[str, Any]:
+    """Check the per-call overrides of one publish (``apply_async(..., redlock={...})``).
+
+    Each value is checked as the task option of that name is (same accepted values,
+    same messages), ``lock_ttl`` also against ``redlock_node_timeout`` and
+    ``redlock_renew_every``; ``None`` is a value for ``dedupe`` only ("off").
+
+    :returns: the clean values, by option name.
+    :raises ImproperlyConfigured: naming the task and every unknown or bad entry, with
+        the accepted names or values.
+    """
+    accepted = ", ".join(CALL_OPTIONS)
+    if not isinstance(overrides, Mapping):
+        raise ImproperlyConfigured(
+            f"task {task_name!r}: the redlock= publish option must be a dict with keys "
+            f"among {accepted}; got {_show(overrides)}"
+        )
+    messages: list[str] = []
+    clean: dict[str, Any] = {}
+    unknown = sorted(str(name) for name in overrides if name not in CALL_OPTIONS)
+    if unknown:
+        messages.append(
+            f"task {task_name!r}: redlock= publish option has unknown "
+            f"key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; accepted: {accepted}"
+        )
+    for option in CALL_OPTIONS:
+        if option not in overrides:
+            continue
+        raw = overrides[option]
+        check = _CHECKERS["ttl" if option == "lock_ttl" else option]
+        try:
+            if raw is None and option != "dedupe":
+                raise _RejectedError("must not be None (None turns off dedupe only)")
+            clean[option] = check(raw)
+        except _RejectedError as exc:
+            got = "" if exc.names_value else f"; got {_show(raw)}"
+            messages.append(f"task {task_name!r}: redlock= option {option} {exc.args[0]}{got}")
+    ttl = clean.get("lock_ttl")
+    if ttl is not None and not _node_timeout_fits(settings.node_timeout, ttl):
+        messages.append(
+            f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) must be more than three "
+            f"times {_label('node_timeout')} ({settings.node_timeout:g})"
+        )
+    elif (
+        ttl is not None
+        and settings.renew_every is not None
+        and settings.renew_every + settings.node_timeout >= ttl
+    ):
+        messages.append(
+            f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) must exceed "
+            f"{_label('renew_every')} plus node_timeout "
+            f"({settings.renew_every + settings.node_timeout:g})"
+        )
+    if messages:
+        problems = [SettingProblem(task_name, "invalid", m) for m in messages]
+        _raise_problems(problems, f"the redlock= publish options of task {task_name!r}")
+    return clean
+
+
+def with_call_options(
+    options: TaskOptions, overrides: Mapping[str, Any], settings: RedlockSettings
+) -> TaskOptions:
+    """``options`` with clean per-call overrides (see :func:`validate_call_options`) applied."""
+    if not overrides:
+        return options
+    changes = dict(overrides)
+    if "lock_ttl" in changes:
+        changes["renew_every"] = settings.renew_interval(changes["lock_ttl"])
+    return dataclasses.replace(options, **changes)

@@ -35,12 +35,29 @@ from celery.utils import uuid
 
 from . import signals
 from .client import redlock_for
-from .exceptions import LockContended, LockLost, QuorumUnavailable
-from .keys import compile_lock_key
+from .exceptions import AlreadyQueued, LockContended, LockLost, QuorumUnavailable
+from .identity import (
+    DEDUPE_SUFFIX,
+    OPTIONS_HEADER,
+    decode_call_options,
+    dedupe_suffix,
+    encode_call_options,
+    force_delete,
+    message_serializer,
+    wire_arguments,
+)
+from .keys import compile_lock_key, redis_key
 from .lock import Lease
-from .settings import UNSET, TaskOptions, get_settings, validate_task_options
+from .settings import (
+    UNSET,
+    TaskOptions,
+    get_settings,
+    validate_call_options,
+    validate_task_options,
+    with_call_options,
+)
 
-__all__ = ["LockLostInterrupt", "SingletonTask"]
+__all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -48,7 +65,6 @@ logger = logging.getLogger("celery_redlock.task")
 CONTENTION_HEADER = "redlock_contention"
 #: Message header: how many times an outage has rescheduled this job so far.
 OUTAGE_HEADER = "redlock_outage"
-DEDUPE_SUFFIX = "dedupe"
 #: Message header set by beat (celery_redlock.beat.OCCURRENCE_HEADER).
 OCCURRENCE_HEADER = "redlock_occurrence"
 
@@ -132,7 +148,7 @@ def drop_held_duplicate(
     if not isinstance(task, SingletonTask) or headers.get("eta"):
         return False
     try:
-        opts = task.redlock_options()
+        opts = task._options_with(headers.get(OPTIONS_HEADER))
         if opts.on_contention != "skip":
             return False
         args, kwargs, _ = message.decode()
@@ -194,8 +210,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     Options (class attributes, so ``@app.task(base=SingletonTask, **options)``
     sets them; anything not set comes from ``app.conf.redlock_*``): ``lock_key``,
     ``unique_on``, ``lock_ttl``, ``on_contention``, ``contention_backoff``,
-    ``max_contention_retries``, ``dedupe``, ``on_lock_lost``. See the docs'
-    configuration page for each.
+    ``max_contention_retries``, ``dedupe``, ``raise_on_duplicate``, ``on_lock_lost``.
+    See the docs' configuration page for each. One publish may override ``dedupe``,
+    ``lock_ttl``, ``on_contention`` and ``raise_on_duplicate``:
+    ``apply_async(..., redlock={"on_contention": "skip"})``.
     """
 
     lock_key: ClassVar[Any] = UNSET
@@ -205,6 +223,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     contention_backoff: ClassVar[Any] = UNSET
     max_contention_retries: ClassVar[Any] = UNSET
     dedupe: ClassVar[Any] = UNSET
+    raise_on_duplicate: ClassVar[Any] = UNSET
     on_lock_lost: ClassVar[Any] = UNSET
 
     _redlock_resolved: ClassVar[tuple[Any, TaskOptions] | None] = None
@@ -256,7 +275,16 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Publish the job, unless an identical one is already queued (see ``dedupe``)."""
+        """Publish the job, unless an identical one is already queued (see ``dedupe``).
+
+        ``redlock={...}`` overrides ``dedupe``, ``lock_ttl``, ``on_contention`` and
+        ``raise_on_duplicate`` for this job (checked as the task options are, unknown
+        keys refused with :class:`~celery_redlock.ImproperlyConfigured`); they travel
+        with the message, so the run, its contention reschedules and its retries keep
+        them. With ``raise_on_duplicate`` a duplicate raises
+        :class:`~celery_redlock.AlreadyQueued` instead of returning the queued job.
+        """
+        overrides = self._take_call_options(options)
 
         def publish(task_id: str | None) -> Any:
             return super(SingletonTask, self).apply_async(
@@ -281,19 +309,20 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             or self.app.conf.task_always_eager
         ):
             return publish(task_id)
-        opts = self.redlock_options()
+        settings = get_settings(self.app)
+        opts = with_call_options(self.redlock_options(), overrides, settings)
         if opts.dedupe is None:
             return publish(task_id)
         if task_id is not None and task_id == getattr(self.request, "id", None):
             return publish(task_id)  # a republish of the running job itself
-        key = opts.lock_key(args or (), kwargs or {})
+        key = self._publish_key(opts, args or (), kwargs or {}, options)
+        marker = self.dedupe_suffix()
         task_id = task_id or uuid()
-        settings = get_settings(self.app)
         redlock = redlock_for(self.app)
         try:
             holder, fresh = redlock.claim(
                 key,
-                DEDUPE_SUFFIX,
+                marker,
                 task_id,
                 settings.dedupe_ttl + _delay_of(options),
                 guard_for=0,
@@ -308,15 +337,93 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             signals.duplicate_dropped.send(
                 sender=self, key=key, task_id=task_id, stage="publish", existing_id=holder
             )
+            if opts.raise_on_duplicate and holder != task_id:
+                raise AlreadyQueued(
+                    f"{self.name}: an identical job {holder} is already queued (key {key!r})",
+                    key,
+                    redlock.master_names,
+                    {},
+                    holder,
+                )
             return self.AsyncResult(holder)
         try:
             return publish(task_id)
         except BaseException:
             try:
-                redlock.unclaim(key, DEDUPE_SUFFIX, task_id)
+                redlock.unclaim(key, marker, task_id)
             except Exception:
                 logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
             raise
+
+    def dedupe_suffix(self) -> str:
+        """The suffix of this task's dedupe markers, ``dedupe:<task name>``.
+
+        Markers are per task: tasks sharing a ``lock_key`` share the lock, not a marker.
+        """
+        return dedupe_suffix(self.name)
+
+    def clear_lock(self, *args: Any, **kwargs: Any) -> list[str]:
+        """Force-delete the lock (and its metadata) that a call with these arguments takes.
+
+        For an operator or a test, like celery-singleton's ``clear_locks``: no ownership
+        check, a run holding the lock finds it lost at its next renewal (``lock_lost``).
+        The fence counter is kept, so tokens keep increasing. Returns the Redis key names
+        deleted (on at least one master); unreachable masters are logged.
+
+        :raises QuorumUnavailable: no master answered.
+        """
+        key = self._publish_key(self.redlock_options(), args, kwargs, {})
+        redlock = redlock_for(self.app)
+        prefix = redlock.key_prefix
+        return force_delete(redlock, [redis_key(prefix, key), redis_key(prefix, key, "meta")])
+
+    def clear_dedupe(self, *args: Any, **kwargs: Any) -> list[str]:
+        """Force-delete this task's dedupe marker for these arguments (its queued job stays
+        queued; the next identical publish is published). Returns what was deleted, as
+        :meth:`clear_lock` does."""
+        key = self._publish_key(self.redlock_options(), args, kwargs, {})
+        redlock = redlock_for(self.app)
+        return force_delete(redlock, [redis_key(redlock.key_prefix, key, self.dedupe_suffix())])
+
+    def _publish_key(
+        self,
+        opts: TaskOptions,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> str:
+        """The lock key of a publish, built from the arguments as the worker will see them."""
+        wire_args, wire_kwargs = wire_arguments(args, kwargs, message_serializer(self, options))
+        return opts.lock_key(wire_args, wire_kwargs)
+
+    def _take_call_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Pop ``redlock=`` from a publish's options, check it, put it in the headers."""
+        raw = options.pop("redlock", None)
+        if raw is None:
+            return {}
+        overrides = validate_call_options(raw, self.name, get_settings(self.app))
+        headers = dict(options.get("headers") or {})
+        headers[OPTIONS_HEADER] = encode_call_options(overrides)
+        options["headers"] = headers
+        return overrides
+
+    def _options_with(self, header: object) -> TaskOptions:
+        """This task's options with the per-call overrides a message header carries."""
+        opts = self.redlock_options()
+        if header is None:
+            return opts
+        settings = get_settings(self.app)
+        try:
+            overrides = validate_call_options(decode_call_options(header), self.name, settings)
+        except ValueError as exc:
+            logger.warning(
+                "%s: %s header ignored, the task's options apply: %s",
+                self.name,
+                OPTIONS_HEADER,
+                exc,
+            )
+            return opts
+        return with_call_options(opts, overrides, settings)
 
     # -- worker side: the run-time lock ---------------------------------------------
 
@@ -324,7 +431,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
-        opts = self.redlock_options()
+        opts = self._options_with(_header(request, OPTIONS_HEADER))
         key = opts.lock_key(args, kwargs)
         task_id = request.id or ""
         redlock = redlock_for(self.app)
@@ -344,7 +451,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 max_hold=self._hard_time_limit(request),
                 renew_every=opts.renew_every,
                 meta=meta,
-                clear_companion=(DEDUPE_SUFFIX, task_id) if opts.dedupe == "queued" else None,
+                clear_companion=(
+                    (self.dedupe_suffix(), task_id) if opts.dedupe == "queued" else None
+                ),
             )
         except LockContended as exc:
             self._on_contended(request, key, opts, exc, args, kwargs)
@@ -353,7 +462,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             self._on_unavailable(request, key, opts, exc, args, kwargs)
             raise  # pragma: no cover
         if opts.dedupe == "active":
-            lease.clear_on_release = (DEDUPE_SUFFIX, task_id)
+            lease.clear_on_release = (self.dedupe_suffix(), task_id)
         request.redlock_lease = lease
         request.redlock_key = key
         interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
@@ -399,7 +508,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 return
             lease.clear_on_release = None  # the job stays queued: an "active" marker too
             self._release(request)
-            opts = self.redlock_options()
+            opts = self._options_with(_header(request, OPTIONS_HEADER))
             if opts.dedupe == "queued" and not request.is_eager:
                 # Its "queued" marker went when the run started; the job waits in the
                 # queue again, so identical publishes coalesce into it again.
@@ -607,9 +716,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if not task_id:
             return
         try:
-            key = opts.lock_key(args, kwargs)
+            key = self._publish_key(opts, args, kwargs, options)
             ttl = get_settings(self.app).dedupe_ttl + _delay_of(options)
-            holder, _ = redlock_for(self.app).claim(key, DEDUPE_SUFFIX, task_id, ttl, guard_for=0)
+            holder, _ = redlock_for(self.app).claim(
+                key, self.dedupe_suffix(), task_id, ttl, guard_for=0
+            )
         except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
             logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
             return
@@ -620,7 +731,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if opts.dedupe is None or not task_id:
             return
         try:
-            redlock_for(self.app).unclaim(key, DEDUPE_SUFFIX, task_id)
+            redlock_for(self.app).unclaim(key, self.dedupe_suffix(), task_id)
         except Exception:
             logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
 

@@ -126,7 +126,6 @@ def _singleton(sender: Any) -> Any:
 def _release_killed(task: Any, request: Any, why: str) -> None:
     """Free the lock of a task whose process died without cleanup (main process side)."""
     from .client import redlock_for
-    from .task import DEDUPE_SUFFIX
 
     task_id = getattr(request, "id", None)
     if not task_id:
@@ -138,7 +137,7 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         redlock = redlock_for(task.app)
         if redlock.release_owned_by(key, "task_id", task_id):
             logger.info("%s[%s]: released %s after %s", task.name, task_id, key, why)
-        redlock.unclaim(key, DEDUPE_SUFFIX, task_id)
+        redlock.unclaim(key, task.dedupe_suffix(), task_id)
     except Exception:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
 

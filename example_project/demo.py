@@ -157,12 +157,30 @@ class Demo:
             f"published sync_account(1) 5 times in {time.monotonic() - began:.3f}s "
             f"(countdown=2): job ids {sorted(i[:8] for i in ids)}"
         )
+        # apply_payment shares sync_account's lock key (account:1), never its dedupe marker.
+        payments = [self.tasks.apply_payment.apply_async((1, 100), countdown=2) for _ in range(2)]
+        payment_ids = {r.id for r in payments}
+        say(
+            f"published apply_payment(1, 100) twice, same lock key account:1: job ids "
+            f"{sorted(i[:8] for i in payment_ids)} (its own job, not the sync's)"
+        )
         run = self.wait_run(15, "the sync job to finish", task_id=results[0].id, finished__gt=0)
         say(f"it ran on {self.worker_of(run.worker)} (pid {run.pid}) and finished")
+        self.wait_run(15, "the payment to finish", task_id=payments[0].id, finished__gt=0)
         pause(SETTLE)  # watching for a second run that must not come
         runs = self.runs(task="sync_account", account_id=1, started__gte=since)
-        out.observed = f"{len(results)} publishes -> {len(ids)} id, {len(runs)} run"
-        out.passed = len(ids) == 1 and len(runs) == 1
+        paid = self.runs(task="apply_payment", account_id=1, started__gte=since)
+        out.observed = (
+            f"{len(results)} publishes -> {len(ids)} id, {len(runs)} run; "
+            f"payment {len(payment_ids)} id, {len(paid)} run"
+        )
+        out.passed = (
+            len(ids) == 1
+            and len(runs) == 1
+            and len(payment_ids) == 1
+            and not payment_ids & ids
+            and len(paid) == 1
+        )
 
     # -- (b) ----------------------------------------------------------------------------------
 
@@ -444,7 +462,8 @@ SCENARIOS = [
         "1 id, 1 run",
         "duplicates",
         "A user clicks 'Sync' five times. SingletonTask's enqueue dedupe: while the job is "
-        "queued, publishing it again returns the queued job's AsyncResult.",
+        "queued, publishing it again returns the queued job's AsyncResult. A payment on the "
+        "same account (same lock key, another task) is its own job, deduplicated apart.",
     ),
     Scenario(
         "b",

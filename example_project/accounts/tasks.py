@@ -68,13 +68,15 @@ def build_report(self: Any, day: str) -> None:
         time.sleep(2.0)
 
 
-# Shares the account's lock with sync_account. dedupe=None: two payments of the same
-# amount are two payments, never one "duplicate". lock_ttl=3: a holder that stalls
-# (GC pause, swapped out, SIGSTOP) loses the lock after 3 s, and the fence makes sure
-# its late write cannot land after the next holder's.
-@shared_task(
-    bind=True, base=SingletonTask, lock_key="account:{account_id}", lock_ttl=3, dedupe=None
-)
+# Shares the account's lock with sync_account: the two never run at once on one account.
+# They never share a dedupe marker (identity is the task name plus the key), so a payment
+# published while a sync of its account is queued is its own job. With dedupe on (the
+# default, "queued"), a payment published again while it waits (a double click, a retried
+# web request) is one payment; the key is the account, so a caller that means a second,
+# different payment while one is queued publishes it with redlock={"dedupe": None}.
+# lock_ttl=3: a holder that stalls (GC pause, swapped out, SIGSTOP) loses the lock after
+# 3 s, and the fence makes sure its late write cannot land after the next holder's.
+@shared_task(bind=True, base=SingletonTask, lock_key="account:{account_id}", lock_ttl=3)
 def apply_payment(self: Any, account_id: int, amount: int, work_seconds: float = 0.2) -> int:
     """Add ``amount`` cents to the balance; the write carries this run's fencing token."""
     fence: int = self.lease.fence

@@ -123,7 +123,7 @@ def test_eta_and_countdown_do_not_make_a_job_different(env: CeleryEnv, make_app:
     assert sync.apply_async((1,), countdown=5).id == later.id
     assert queue_length(app, env.queue) == 1
     # The marker outlives the delay of the job it stands for (dedupe_ttl + countdown).
-    marker = "redlock:{sync:1}:dedupe"
+    marker = f"redlock:{{sync:1}}:{sync.dedupe_suffix()}"
     wait_for(lambda: all(env.on_masters(marker)), timeout=5, message="marker on every master")
     for server in env.masters:
         with server.client() as conn:
@@ -225,7 +225,7 @@ def test_non_json_arguments_key_stably(env: CeleryEnv, make_app: Any, recorder: 
     assert same.id == first.id
     assert refund.delay(order, at, Decimal("9.91")).id != first.id
     key = refund.redlock_options().lock_key((order, at, Decimal("9.90")), {})
-    marker = f"redlock:{{{key}}}:dedupe"
+    marker = f"redlock:{{{key}}}:{refund.dedupe_suffix()}"
     assert env.on_quorum(marker)
 
     with run_worker(app), opened_on_exit(gate):
@@ -284,7 +284,7 @@ def test_queued_job_waiting_for_its_retry_takes_identical_publishes(
             raise self.retry(countdown=2)
         return retries
 
-    marker = "redlock:{poll:1}:dedupe"
+    marker = f"redlock:{{poll:1}}:{poll.dedupe_suffix()}"
     with run_worker(app):
         first = poll.delay(1)
         wait_for(lambda: first.state == "RETRY", timeout=10, message="first run retried")

@@ -102,7 +102,7 @@ def _publish_twice(env: ProjEnv, name: str, dedupe: str) -> tuple[str, str]:
 def test_celery_redlock_dedupe_from_django_decides_what_is_published(proj_env: ProjEnv) -> None:
     # No worker consumes: every message published stays in the queue.
     client = proj_env.client_app()
-    marker = "redlock:{hold:y}:dedupe"
+    marker = "redlock:{hold:y}:dedupe:redlock_django.hold"
 
     # CELERY_REDLOCK_DEDUPE = None: two identical publishes are two jobs.
     first, second = _publish_twice(proj_env, "x", "None")

@@ -68,7 +68,7 @@ def test_retry_runs_again_unblocked_by_its_own_lock_or_marker(
         return attempt
 
     lock = env.lock_names("fetch:a")[0]
-    marker = "redlock:{fetch:a}:dedupe"
+    marker = f"redlock:{{fetch:a}}:{fetch.dedupe_suffix()}"
     at_retry_publish: list[tuple[bool, bool]] = []
 
     def on_publish(sender: Any = None, headers: Any = None, **_: Any) -> None:
@@ -113,7 +113,7 @@ def test_a_retry_past_max_retries_keeps_the_lock_and_clears_the_active_marker(
                 raise
 
     lock, _ = env.lock_names("sync:1")
-    marker = redis_key("redlock", "sync:1", "dedupe")
+    marker = redis_key("redlock", "sync:1", sync.dedupe_suffix())
     with run_worker(app):
         result = sync.delay(1)
         wait_for(lambda: result.state == "FAILURE", timeout=20, message="retries used up")

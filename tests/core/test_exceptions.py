@@ -14,6 +14,7 @@ import pytest
 
 from celery_redlock import exceptions
 from celery_redlock.exceptions import (
+    AlreadyQueued,
     ImproperlyConfigured,
     LockContended,
     LockLost,
@@ -45,6 +46,8 @@ def samples() -> list[RedlockError]:
         ImproperlyConfigured("redlock_ttl must be a number of seconds"),
         LockContended(),
         StaleFence("only a message"),
+        AlreadyQueued("duplicate of queued job j-1", "acct:42", MASTERS, {}, "j-1"),
+        AlreadyQueued(),
     ]
 
 
@@ -67,6 +70,9 @@ def assert_same(a: RedlockError, b: RedlockError) -> None:
     if isinstance(a, StaleFence):
         assert isinstance(b, StaleFence)
         assert (a.fence, a.current) == (b.fence, b.current)
+    if isinstance(a, AlreadyQueued):
+        assert isinstance(b, AlreadyQueued)
+        assert a.task_id == b.task_id
 
 
 @pytest.mark.parametrize("exc", samples(), ids=lambda e: type(e).__name__)

@@ -17,6 +17,8 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import loads as kombu_loads
 from redis.crc import key_slot
@@ -545,3 +547,32 @@ def test_keys_are_identical_in_other_processes_and_hash_seeds() -> None:
 def test_digest_ignores_argument_order() -> None:
     assert arguments_digest({"a": 1, "b": 2}) == arguments_digest({"b": 2, "a": 1})
     assert arguments_digest({"a": 1, "b": 2}) != arguments_digest({"a": 2, "b": 1})
+
+
+# -- the length cap of template and callable keys ----------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=600).filter(lambda k: not k.startswith("}")))
+def test_long_keys_are_capped_deterministically(key: str) -> None:
+    from celery_redlock.keys import MAX_KEY_LENGTH, cap_key
+
+    def task(key: str) -> None: ...
+
+    capped = compile_lock_key("{key}", task, "t")((key,), {})
+    assert capped == cap_key(key) == compile_lock_key(lambda key: key, task, "t")((key,), {})
+    if len(key) <= MAX_KEY_LENGTH:
+        assert capped == key  # verbatim, as documented
+    else:
+        assert len(capped) == MAX_KEY_LENGTH
+        assert capped.startswith(key[:160])  # a readable prefix
+        assert cap_key(key + "x") != capped  # the hash covers the whole key
+
+
+def test_keys_differing_only_past_the_prefix_stay_apart() -> None:
+    from celery_redlock.keys import cap_key
+
+    one = "batch:" + str(list(range(20_000)))
+    other = "batch:" + str([*range(19_999), 20_001])
+    assert len(one) > 100_000
+    assert cap_key(one) != cap_key(other)
+    assert cap_key(one)[:160] == cap_key(other)[:160]

@@ -1,0 +1,158 @@
+"""What makes two publishes the same job, and the Redis keys that say so.
+
+* **Wire form.** A worker sees a job's arguments after the task's serializer carried
+  them: with json a tuple arrives as a list, ``{1: x}`` as ``{"1": x}``, a ``(str, Enum)``
+  member as its plain value. A ``lock_key`` template or callable formats what it is given,
+  so the publisher builds its keys from the arguments after the same round trip
+  (:func:`wire_arguments`), and both sides write the same text.
+* **Dedupe marker.** Identity is the task name plus its key: the marker of a job lives at
+  ``<prefix>:{<key>}:dedupe:<task name>`` (:func:`dedupe_suffix`), so two tasks that share a
+  ``lock_key`` template share the run-time lock (they never run at once) but never a
+  marker (a publish of one never returns the other's job).
+* **Per-call options** travel with the message in the :data:`OPTIONS_HEADER` header
+  (:func:`encode_call_options`, :func:`decode_call_options`), so a contention reschedule
+  or a ``retry()`` (both copy the request's headers) keeps them.
+* **Clearing** one task's lock or marker by hand (:func:`force_delete`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kombu.serialization import dumps, loads
+
+from .exceptions import QuorumUnavailable
+from .keys import MAX_KEY_LENGTH
+from .lock import Redlock
+
+__all__ = [
+    "DEDUPE_SUFFIX",
+    "OPTIONS_HEADER",
+    "decode_call_options",
+    "dedupe_suffix",
+    "encode_call_options",
+    "force_delete",
+    "message_serializer",
+    "wire_arguments",
+]
+
+logger = logging.getLogger("celery_redlock.identity")
+
+#: First part of every dedupe marker's suffix; the task name follows (:func:`dedupe_suffix`).
+DEDUPE_SUFFIX = "dedupe"
+#: Message header carrying a publish's ``redlock={...}`` overrides, as a JSON object.
+OPTIONS_HEADER = "redlock_options"
+
+
+#: Serializers that give back a value of one of :data:`_PLAIN_TYPES` as itself.
+_PLAIN_SERIALIZERS = frozenset({"json", "pickle", "msgpack"})
+_PLAIN_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
+def message_serializer(task: Any, options: Mapping[str, Any]) -> str:
+    """The serializer a publish of ``task`` with ``options`` uses, as Celery picks it."""
+    name = options.get("serializer") or getattr(task, "serializer", None)
+    return str(name or task.app.conf.task_serializer)
+
+
+def wire_arguments(
+    args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``args`` and ``kwargs`` as a worker receives them: a round trip through ``serializer``.
+
+    Arguments already in their wire form come back equal (every serializer's round trip
+    is idempotent), so keys built from either side's arguments are the same text. When
+    the arguments cannot be serialized the publish itself fails with kombu's error, so
+    they are returned unchanged and the key is built from them.
+    """
+    if serializer in _PLAIN_SERIALIZERS and all(
+        type(value) in _PLAIN_TYPES for value in (*args, *kwargs.values())
+    ):
+        return args, kwargs  # each of these comes back as itself: skip the round trip
+    try:
+        # kombu ships no type hints.
+        content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
+            (list(args), dict(kwargs)), serializer=serializer
+        )
+        wire_args, wire_kwargs = loads(  # type: ignore[no-untyped-call]
+            data, content_type, encoding, force=True
+        )
+    except Exception as exc:  # noqa: BLE001 - the publish reports it properly
+        logger.debug(
+            "arguments do not survive serializer %s (%s); key from them as given", serializer, exc
+        )
+        return args, kwargs
+    return wire_args, wire_kwargs
+
+
+def dedupe_suffix(task_name: str) -> str:
+    """The suffix of ``task_name``'s dedupe marker: ``dedupe:<task name>``.
+
+    A name with braces (which would break the Cluster hash tag) or longer than
+    :data:`~celery_redlock.keys.MAX_KEY_LENGTH` is replaced by ``#`` and 32 hex digits of
+    its SHA-256.
+    """
+    if "{" in task_name or "}" in task_name or len(task_name) > MAX_KEY_LENGTH:
+        digest = hashlib.sha256(task_name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return f"{DEDUPE_SUFFIX}:#{digest}"
+    return f"{DEDUPE_SUFFIX}:{task_name}"
+
+
+def encode_call_options(clean: Mapping[str, Any]) -> str:
+    """The header value carrying validated per-call overrides."""
+    return json.dumps(dict(clean), sort_keys=True)
+
+
+def decode_call_options(value: object) -> dict[str, Any]:
+    """The overrides in an :data:`OPTIONS_HEADER` value (a JSON object; a dict is accepted).
+
+    :raises ValueError: the value is neither.
+    """
+    if isinstance(value, (str, bytes)):
+        value = json.loads(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{OPTIONS_HEADER} header must be a JSON object, got {value!r}")
+    return dict(value)
+
+
+def force_delete(redlock: Redlock, names: Iterable[str]) -> list[str]:
+    """Delete the Redis keys ``names`` on every master; return those deleted somewhere.
+
+    An operator's tool: no ownership check. Masters that cannot be reached are logged
+    (their copy expires with its TTL); :class:`QuorumUnavailable` when none answered.
+    """
+    names = list(names)
+    deleted: set[str] = set()
+    errors: dict[str, str] = {}
+    for master in redlock.masters:
+        client = master.client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            for name, count in zip(names, pipe.execute(), strict=True):
+                if count:
+                    deleted.add(name)
+        except Exception as exc:  # noqa: BLE001 - reported below, per master
+            errors[master.name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            client.close()
+            client.connection_pool.disconnect()
+    if errors:
+        if len(errors) == len(redlock.masters):
+            raise QuorumUnavailable(
+                f"no master answered the deletion of {', '.join(names)}",
+                names[0] if names else None,
+                redlock.master_names,
+                errors,
+            )
+        logger.warning(
+            "deleted %s on the masters that answered; not reached: %s",
+            ", ".join(names),
+            "; ".join(f"{m}: {e}" for m, e in errors.items()),
+        )
+    return sorted(deleted)
