@@ -71,6 +71,13 @@ return deleted
 """
 
 
+def _kind(suffix: str | None) -> str:
+    """What a key with ``suffix`` is; a dedupe marker's suffix names its task."""
+    if suffix is not None and suffix.startswith("dedupe:"):
+        return "dedupe"
+    return KINDS.get(suffix, suffix or "lock")
+
+
 @dataclass
 class KeyRecord:
     """One logical key (lock, dedupe marker, beat claim ...) as seen across masters."""
@@ -204,7 +211,7 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
             continue
         records[(key, suffix)] = KeyRecord(
             key=key,
-            kind=KINDS.get(suffix, suffix or "lock"),
+            kind=_kind(suffix),
             value=entry["value"],
             ttl=entry["ttl"],
             present_on=entry["present"],
