@@ -474,6 +474,21 @@ def _checked_key(key: object, task_name: str, what: str) -> str:
     return cap_key(key)
 
 
+_NO_DEFAULT = object()
+
+
+def _is_default(value: object, default: object) -> bool:
+    """``value`` is the parameter's default: the same object, or equal and of one type."""
+    if value is default:
+        return True
+    if default is _NO_DEFAULT or type(value) is not type(default):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 - a type whose == fails is simply not "the default"
+        return False
+
+
 def _compile_default(
     signature: inspect.Signature, task_name: str, unique_on: tuple[str, ...] | None
 ) -> KeyBuilder:
@@ -485,9 +500,24 @@ def _compile_default(
     if unique_on == ():
         return lambda args, kwargs: task_name
     bind = _binder(signature)
+    defaults = {
+        p.name: p.default
+        for p in signature.parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
 
     def build(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         arguments = bind(args, kwargs)
+        if defaults:
+            # An argument left at its parameter's default is not part of the key, so adding
+            # an optional parameter to a task keeps the keys of calls that do not pass it
+            # (old and new workers of a rolling deploy then exclude each other), and
+            # passing the default explicitly is the same job as leaving it out.
+            arguments = {
+                name: value
+                for name, value in arguments.items()
+                if not _is_default(value, defaults.get(name, _NO_DEFAULT))
+            }
         if unique_on is not None:
             # A name only a **kwargs catch-all could supply may be absent from a call;
             # leaving it out distinguishes that call from one passing None.
