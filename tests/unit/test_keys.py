@@ -594,3 +594,36 @@ def test_keys_differing_only_past_the_prefix_stay_apart() -> None:
     assert len(one) > 100_000
     assert cap_key(one) != cap_key(other)
     assert cap_key(one)[:160] == cap_key(other)[:160]
+
+
+# -- !h: a digest instead of the value ------------------------------------------------------
+
+
+def test_a_hashed_field_keeps_the_value_out_of_the_key() -> None:
+    def notify(email: Any, kind: Any) -> None: ...
+
+    build = compile_lock_key("notify:{kind}:{email!h}", notify, "proj.notify")
+    key = build(("ann@example.com", "welcome"), {})
+    assert key.startswith("notify:welcome:")
+    assert "ann" not in key
+    assert "example" not in key
+    digest = key.rsplit(":", 1)[1]
+    assert len(digest) == 16
+    assert int(digest, 16) >= 0
+    assert build((), {"email": "ann@example.com", "kind": "welcome"}) == key
+    assert build(("bob@example.com", "welcome"), {}) != key
+    # The digest is of the canonical encoding, so wire-equal values hash alike.
+    assert compile_lock_key("{v!h}", lambda v: None, "t")(((1, 2),), {}) == compile_lock_key(
+        "{v!h}", lambda v: None, "t"
+    )(([1, 2],), {})
+
+
+def test_a_hashed_field_digest_is_pinned() -> None:
+    # Keys must be the same in every process and release: changing the digest is deliberate.
+    build = compile_lock_key("u:{email!h}", lambda email: None, "proj.u")
+    assert build(("ann@example.com",), {}) == "u:e394c751343899a3"
+
+
+def test_an_unknown_conversion_is_refused_at_definition() -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"unknown conversion !x .*!r, !s, !a and !h"):
+        compile_lock_key("u:{email!x}", lambda email: None, "proj.u")
