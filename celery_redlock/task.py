@@ -38,11 +38,12 @@ from .client import redlock_for
 from .exceptions import LockContended, LockLost, QuorumUnavailable
 from .keys import compile_lock_key
 from .lock import Lease
+from .redact import guard
 from .settings import UNSET, TaskOptions, get_settings, validate_task_options
 
 __all__ = ["LockLostInterrupt", "SingletonTask"]
 
-logger = logging.getLogger("celery_redlock.task")
+logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.redact
 
 #: Message header: how many times contention has rescheduled this job so far.
 CONTENTION_HEADER = "redlock_contention"

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..exceptions import LockLost
+from ..redact import guard
 from . import process
 from .callbacks import LostCallback, dispatch_lost
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Lease"]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 HELD, RELEASED, LOST = "held", "released", "lost"
 

@@ -29,6 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
+from ..redact import guard, remember_secrets_of, scrub
 from . import waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
@@ -45,7 +46,7 @@ __all__ = [
     "note_granted_ttl",
 ]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 MasterSpec = str | Mapping[str, Any] | redis.Redis
 
@@ -253,6 +254,9 @@ class Master:
             else None
         )
         self.node_timeout = node_timeout
+        # Error texts quote connection details (redis-py < 7.4 printed passwords in them):
+        # last_error is scrubbed of every secret this process knows.
+        remember_secrets_of(self._connection_kwargs)
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
         #: set while the master failed to answer a round in time; rounds do not wait on it
@@ -409,6 +413,7 @@ class Master:
         flapping, or refused at every reconnect) is not logged again: the summary of
         :meth:`note_unreached` speaks for it.
         """
+        error = scrub(error)
         self.last_error = error
         if self.down:
             return
@@ -496,7 +501,13 @@ class MasterStatus:
 
 
 def make_master(spec: MasterSpec, node_timeout: float) -> Master:
-    """Build a :class:`Master` from a URL, client kwargs, client, or Sentinel spec."""
+    """Build a :class:`Master` from a URL, client kwargs, client, or Sentinel spec.
+
+    The spec's secrets (passwords, ``sentinel_kwargs`` passwords, TLS key passwords and
+    key files) are remembered, so that no error text we pass on shows them (see
+    :func:`celery_redlock.redact.scrub`).
+    """
+    remember_secrets_of(spec)
     if isinstance(spec, str):
         scheme = urlsplit(spec).scheme
         if scheme not in _ALLOWED_SCHEMES:
