@@ -17,6 +17,7 @@ import redis
 from .keys import redis_key, split_redis_key
 from .lock import Redlock
 from .lock.master import Master
+from .redact import scrub
 
 __all__ = ["KeyRecord", "MasterReport", "check", "clear", "inspect_key", "list_keys"]
 
@@ -97,7 +98,7 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
                     pipe.get(name)
             values = pipe.execute()
         except redis.RedisError as exc:
-            errors[master.name] = str(exc)
+            errors[master.name] = scrub(str(exc))
             continue
         for i, name in enumerate(names):
             parts = split_redis_key(prefix, name)
@@ -158,7 +159,7 @@ def inspect_key(redlock: Redlock, key: str) -> list[dict[str, Any]]:
                     value = _text(value)
                 row[name] = {"value": value, "pttl_ms": client.pttl(name)}
         except redis.RedisError as exc:
-            row["error"] = str(exc)
+            row["error"] = scrub(str(exc))
         rows.append(row)
     return rows
 
@@ -187,7 +188,7 @@ def clear(
                 client.delete(*names)
             removed.update(names)
         except redis.RedisError as exc:
-            errors[master.name] = str(exc)
+            errors[master.name] = scrub(str(exc))
     return sorted(removed), errors
 
 
@@ -252,7 +253,7 @@ def check(
                 report.warnings.append("CONFIG is disabled: persistence settings unknown")
             report.reachable = True
         except redis.RedisError as exc:
-            report.error = str(exc)
+            report.error = scrub(str(exc))
     # run_id history: every master keeps every master's last seen run_id, so a master
     # that restarted empty is still remembered by the others.
     history: dict[str, str] = {}
@@ -321,7 +322,7 @@ def check(
                     "ours: another application shares the prefix"
                 )
         except redis.RedisError as exc:
-            report.warnings.append(f"could not finish the check: {exc}")
+            report.warnings.append(scrub(f"could not finish the check: {exc}"))
     for report, status in zip(reports, statuses, strict=True):
         if status.duplicate_of is not None:
             report.duplicate_of = status.duplicate_of

@@ -17,13 +17,14 @@ from celery.bin.base import CeleryCommand, handle_preload_options
 
 from . import admin
 from .client import redlock_for
+from .redact import printable, shown
 from .settings import get_settings
 
 __all__ = ["redlock"]
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[("" if c is None else str(c)) for c in row] for row in rows]
+    cells = [[("" if c is None else shown(c)) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -71,7 +72,7 @@ def ls(ctx: click.Context, pattern: str, as_json: bool, **_: Any) -> None:
         headers = ("kind", "key", "owner", "task", "worker", "acquired (UTC)", "ttl", "fence", "on")
         click.echo(_table(headers, rows) if rows else "no keys match")
     for name, error in errors.items():
-        click.echo(f"warning: {name} not read: {error}", err=True)
+        click.echo(f"warning: {name} not read: {shown(error)}", err=True)
 
 
 @redlock.command(cls=CeleryCommand)
@@ -111,13 +112,13 @@ def clear(ctx: click.Context, pattern: str | None, all_: bool, yes: bool, **_: A
     if not names:
         click.echo("nothing to clear")
         return
-    click.echo("\n".join(names))
+    click.echo("\n".join(printable(name) for name in names))
     if not yes:
         click.confirm(f"Delete these {len(names)} keys on every master?", abort=True)
     names, errors = admin.clear(client, pattern)
     click.echo(f"removed {len(names)} keys")
     for name, error in errors.items():
-        click.echo(f"warning: {name} not cleared: {error}", err=True)
+        click.echo(f"warning: {name} not cleared: {shown(error)}", err=True)
     if errors:
         sys.exit(1)
 
@@ -165,7 +166,7 @@ def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
         click.echo(_table(headers, rows))
         for r in reports:
             for warning in r.warnings:
-                click.echo(f"warning: {r.name}: {warning}")
+                click.echo(f"warning: {r.name}: {shown(warning)}")
         up = sum(1 for r in reports if r.reachable and r.duplicate_of is None)
         verdict = "OK" if quorum else "UNAVAILABLE"
         click.echo(f"quorum: {up} of {len(reports)} masters up, {client.quorum} needed: {verdict}")

@@ -38,6 +38,7 @@ from .client import redlock_for
 from .exceptions import LockContended, LockLost, QuorumUnavailable
 from .keys import compile_lock_key
 from .lock import Lease
+from .lock.summary import log_limited
 from .redact import guard
 from .settings import UNSET, TaskOptions, get_settings, validate_task_options
 
@@ -359,7 +360,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request.redlock_key = key
         interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
         request.redlock_interrupter = interrupter
-        lease.on_lost(lambda lost: self._on_lost(lost, key, task_id, opts, interrupter))
+        lease.on_lost(
+            lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
+        )
         signals.lock_acquired.send(
             sender=self, key=key, lease=lease, task_id=task_id, waited=time.monotonic() - started
         )
@@ -528,7 +531,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         )
         if policy == "retry":
             assert countdown is not None
-            logger.info(
+            log_limited(  # a storm of reschedules is one state: no line per job
+                logger,
+                logging.INFO,
+                f"{self.name} contention",
                 "%s[%s]: %s is held elsewhere; rescheduled in %.2fs (contention %d)",
                 self.name,
                 request.id,
@@ -567,7 +573,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             raise exc
         attempt = int(_header(request, OUTAGE_HEADER) or 0)
         countdown = get_settings(self.app).outage_backoff.delay(attempt)
-        logger.warning(
+        log_limited(  # every job meets the outage: one line per period, not per job
+            logger,
+            logging.WARNING,
+            f"{self.name} outage",
             "%s[%s]: lock service unavailable for %s (%s); rescheduled in %.2fs, not run",
             self.name,
             request.id,

@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
 from ..redact import guard, remember_secrets_of, scrub
-from . import waiting, wire
+from . import summary, waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -90,7 +90,7 @@ _restarted_run_ids: dict[str, float] = {}
 _longest_granted = 0.0
 
 #: At most one summary line per master per this many seconds (see Master.note_unreached).
-LOG_PERIOD = 30.0
+LOG_PERIOD = summary.LOG_PERIOD
 
 
 def note_granted_ttl(ttl: float) -> None:
@@ -274,8 +274,7 @@ class Master:
         # and one summary per LOG_PERIOD at most, however many operations fail.
         self._said_down = False
         self._quiet_until = 0.0
-        self._summary_at = 0.0
-        self._unreached = 0
+        self._unreached = summary.Summary(LOG_PERIOD)
 
     def __repr__(self) -> str:
         return f"<Master {self.name}>"
@@ -428,8 +427,7 @@ class Master:
         """Note that the master answered; logs an INFO line if its failure was logged."""
         if self.down:
             self.down = False
-            self._unreached = 0
-            self._summary_at = 0.0
+            self._unreached.reset()
             if self._said_down:
                 self._said_down = False
                 logger.info("master %s answers again", self.name)
@@ -442,15 +440,10 @@ class Master:
         :meth:`mark_down` did not already say it, then a summary of how many operations
         could not reach the master since. Never one line per operation.
         """
-        # No lock: threads racing here only blur a count or repeat a line, and a lock
-        # held by another thread at fork() would hang a forked child here.
-        now = time.monotonic()
-        self._unreached += 1
-        if now < self._summary_at:
+        verdict = self._unreached.note()
+        if verdict is None:
             return
-        count, self._unreached = self._unreached, 0
-        first = now >= self._summary_at + LOG_PERIOD  # no window open: a new episode
-        self._summary_at = now + LOG_PERIOD
+        first, count = verdict
         if first:
             if not self._said_down:
                 logger.warning(
