@@ -104,6 +104,9 @@ def _query_names() -> frozenset[str]:
 _QUERY_NAMES: Final = _query_names()
 
 
+_SECRET_QUERY = re.compile(r"[?&](?:password|ssl_password|ssl_keyfile)=", re.IGNORECASE)
+
+
 def _mask_query(query: str) -> str:
     out: list[str] = []
     masking = False
@@ -124,7 +127,9 @@ def _mask_query(query: str) -> str:
 #: a space or a quote.
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@'\"<>]*:)[^\s'\"<>]*@")
 #: ``password=...`` / ``'password': '...'`` in free text (query strings, reprs).
-_NAMED = re.compile(r"(?i)(\b(?:ssl_)?password['\"]?\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^\s&,;)>'\"]+)")
+_NAMED = re.compile(
+    r"(?i)(\b(?:ssl_)?password['\"]?\s*[=:]\s*)(?!<REDACTED>)('[^']*'|\"[^\"]*\"|[^\s&,;)>'\"]+)"
+)
 
 
 # -- known secrets -------------------------------------------------------------------------
@@ -167,19 +172,15 @@ def secrets_of(spec: object) -> list[str]:
         colon = parts.find(":")
         if at >= 0 and 0 <= colon < at:
             found.append(parts[colon + 1 : at])
-        query = parts.partition("?")[2]
-        value: str | None = None
-        for part in query.split("&") if query else ():
-            name, eq, rest = part.partition("=")
-            if value is not None and not (eq and unquote(name).lower() in _QUERY_NAMES):
-                value += "&" + part  # an unescaped '&' inside the secret
-                continue
-            if value is not None:
-                found.append(value)
-                value = None
-            if eq and unquote(name).lower() in SECRET_ARGS:
-                value = rest
-        if value is not None:
+        # Wherever a query argument may start: the query begins at a '?' that may also
+        # sit inside an unescaped password.
+        for match in _SECRET_QUERY.finditer(parts):
+            value = ""
+            for piece in parts[match.end() :].split("&"):
+                name, eq, _ = piece.partition("=")
+                if value and eq and unquote(name).lower() in _QUERY_NAMES:
+                    break
+                value = f"{value}&{piece}" if value else piece
             found.append(value)
         return found
     pool = getattr(spec, "connection_pool", None)

@@ -307,7 +307,13 @@ def _check_url(url: str) -> tuple[object, ...]:
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
         raise _RejectedError(f"{shown} has no redis://, rediss:// or unix:// scheme")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": an unescaped '[' or ']'
+        raise _RejectedError(
+            f"{shown} is not a valid URL ({exc}); percent-encode special characters of "
+            "the password (urllib.parse.quote(password, safe=''))"
+        ) from None
     try:
         port = parts.port
     except ValueError:

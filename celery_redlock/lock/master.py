@@ -555,6 +555,9 @@ def _sentinel_master(spec: Mapping[str, Any], node_timeout: float) -> Master:
     sentinel_kwargs = dict(kwargs.pop("sentinel_kwargs", None) or {})
     sentinel_kwargs.setdefault("socket_timeout", node_timeout)
     sentinel_kwargs.setdefault("socket_connect_timeout", node_timeout)
+    # As for the masters: no client-side retries (redis-py retries 3 times with backoff by
+    # default, seconds per round with a sentinel down).
+    sentinel_kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(service, **kwargs)  # type: ignore[no-untyped-call]
     pool = client.connection_pool
