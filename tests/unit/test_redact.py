@@ -17,16 +17,8 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from celery_redlock import ImproperlyConfigured, QuorumUnavailable
-from celery_redlock.redact import (
-    guard,
-    mask_url,
-    printable,
-    remember_secrets,
-    scrub,
-    secrets_of,
-)
-from celery_redlock.settings import RedlockSettings, check_values
+from celery_redlock import ImproperlyConfigured, QuorumUnavailable, redact
+from celery_redlock.settings import RedlockSettings, check_values, mask_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,8 +117,8 @@ def test_settings_problems_never_show_a_password(password: str, where: str) -> N
 
 
 def test_secrets_of_every_spec_form() -> None:
-    assert secrets_of("redis://u:p?w@h/0?ssl_password=tls&db=1") == ["p?w", "tls"]
-    assert secrets_of(
+    assert redact.secrets_of("redis://u:p?w@h/0?ssl_password=tls&db=1") == ["p?w", "tls"]
+    assert redact.secrets_of(
         {
             "sentinels": [("s", 1)],
             "service_name": "m",
@@ -134,7 +126,7 @@ def test_secrets_of_every_spec_form() -> None:
             "sentinel_kwargs": {"password": "sentinel"},
         }
     ) == ["master", "sentinel"]
-    assert secrets_of({"host": "h", "ssl_keyfile": "/k.pem", "ssl_password": "kp"}) == [
+    assert redact.secrets_of({"host": "h", "ssl_keyfile": "/k.pem", "ssl_password": "kp"}) == [
         "/k.pem",
         "kp",
     ]
@@ -142,9 +134,9 @@ def test_secrets_of_every_spec_form() -> None:
 
 @given(secret=passwords, before=st.text(max_size=20), after=st.text(max_size=20))
 def test_scrub_removes_every_known_secret(secret: str, before: str, after: str) -> None:
-    remember_secrets([secret])
+    redact.remember_secrets([secret])
     for form in (secret, quote(secret, safe=""), repr(secret)[1:-1]):
-        assert secret not in scrub(f"{before}{form}{after}")
+        assert secret not in redact.scrub(f"{before}{form}{after}")
 
 
 def test_scrub_removes_url_and_named_passwords_it_was_not_told() -> None:
@@ -152,13 +144,13 @@ def test_scrub_removes_url_and_named_passwords_it_was_not_told() -> None:
         "Error connecting to redis://app:n0t-t0ld@h:1/0 ({'password': 'also-n0t', "
         "'db': 0}) password=third-0ne, x"
     )
-    scrubbed = scrub(text)
+    scrubbed = redact.scrub(text)
     for secret in ("n0t-t0ld", "also-n0t", "third-0ne"):
         assert secret not in scrubbed
 
 
 def test_exceptions_are_scrubbed_also_when_rebuilt_from_args() -> None:
-    remember_secrets(["exc-secret-1"])
+    redact.remember_secrets(["exc-secret-1"])
     exc = QuorumUnavailable(
         "no quorum (password=exc-secret-1)", "k", ["m1"], {"m1": "AUTH exc-secret-1 failed"}
     )
@@ -169,14 +161,14 @@ def test_exceptions_are_scrubbed_also_when_rebuilt_from_args() -> None:
 
 @given(st.text())
 def test_printable_has_no_line_break_and_no_escape(text: str) -> None:
-    out = printable(text)
+    out = redact.printable(text)
     assert not re.search(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]", out)
     assert len(out.splitlines()) <= 1
 
 
 @pytest.fixture
 def guarded_log() -> Iterator[tuple[logging.Logger, io.StringIO]]:
-    logger = guard(logging.getLogger("celery_redlock.tests.redact"))
+    logger = redact.guard(logging.getLogger("celery_redlock.tests.redact"))
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -191,7 +183,7 @@ def test_log_guard_renders_arguments_on_one_line(
     guarded_log: tuple[logging.Logger, io.StringIO],
 ) -> None:
     logger, stream = guarded_log
-    remember_secrets(["guard-secret-9"])
+    redact.remember_secrets(["guard-secret-9"])
     key = "user:a@b\nCRITICAL celery_redlock forged \x1b[2J\x1b[31mred"
     logger.info("key %s, repr %r, n=%d, t=%.1f", key, key, 3, 1.5)
     logger.warning("error: %s", ConnectionError("AUTH guard-secret-9 refused"))
