@@ -39,6 +39,18 @@ SHAPES = (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_generated_secrets() -> Iterator[None]:
+    """The secrets remembered here are process-wide: "0000" from Hypothesis would then be
+    scrubbed from every later test's messages. Forget them when the module ends."""
+    known, pattern = set(redact._known), redact._pattern
+    yield
+    with redact._known_lock:
+        redact._known.clear()
+        redact._known.update(known)
+        redact._pattern = pattern
+
+
 def _known_argument_follows(password: str) -> bool:
     # "pw&db=1" unescaped in a query *is* two arguments to redis-py: no masking can tell
     # that "db=1" belonged to the password (redis-py itself reads password "pw", db 1).
