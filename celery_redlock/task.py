@@ -39,7 +39,7 @@ from .exceptions import LockContended, LockLost, QuorumUnavailable
 from .keys import compile_lock_key
 from .lock import Lease
 from .lock.summary import log_limited
-from .redact import guard
+from .redact import guard, printable
 from .settings import UNSET, TaskOptions, get_settings, validate_task_options
 
 __all__ = ["LockLostInterrupt", "SingletonTask"]
@@ -543,7 +543,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 attempt + 1,
             )
             self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
-            raise Retry(f"lock {key} contended", exc=exc, when=countdown)
+            raise Retry(f"lock {printable(key)} contended", exc=exc, when=countdown)
         if policy == "skip":
             self._end_skipped(request, key, opts, "")
             raise Ignore()
@@ -588,7 +588,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             sender=self, key=key, task_id=request.id, countdown=countdown, errors=exc.errors
         )
         self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1})
-        raise Retry(f"lock service unavailable for {key}", exc=exc, when=countdown)
+        raise Retry(f"lock service unavailable for {printable(key)}", exc=exc, when=countdown)
 
     def _end_skipped(self, request: Any, key: str, opts: TaskOptions, when: str) -> None:
         """End a job skipped on contention: its dedupe marker, a log line, IGNORED.

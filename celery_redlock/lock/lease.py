@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..exceptions import LockLost
-from ..redact import guard
+from ..redact import guard, scrub
 from . import process
 from .callbacks import LostCallback, dispatch_lost
 
@@ -321,7 +321,7 @@ class Lease:
             if self._state != HELD:
                 return False
             self._state = LOST
-            self.lost_reason = reason
+            self.lost_reason = scrub(reason)  # an error text: shown in signals and logs
             callbacks, self._callbacks = self._callbacks, []
         log = logger.debug if self._loss_reported else logger.warning
         log("lost the lock on %r: %s", self.key, reason)

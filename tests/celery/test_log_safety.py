@@ -102,6 +102,8 @@ def test_a_key_with_newlines_and_escapes_forges_no_log_line_and_no_terminal_code
     tmp_path: Path,
 ) -> None:
     caplog.set_level(logging.INFO, logger="celery_redlock")
+    # Celery's own lines too: it logs our Retry's text (the worker sets the root's level).
+    caplog.set_level(logging.INFO, logger="celery.app.trace")
     app = make_app()
     running, gate = threading.Event(), threading.Event()
 
@@ -110,6 +112,10 @@ def test_a_key_with_newlines_and_escapes_forges_no_log_line_and_no_terminal_code
         running.set()
         gate.wait(20)
         return "sent"
+
+    @app.task(bind=True, base=SingletonTask, lock_key="user:{email}")
+    def remind(self: Any, email: str) -> str:
+        return "reminded"
 
     with run_worker(app), opened_on_exit(gate):
         first = notify.delay(EVIL_EMAIL)
@@ -121,9 +127,17 @@ def test_a_key_with_newlines_and_escapes_forges_no_log_line_and_no_terminal_code
             timeout=15,
             message="the skip was logged",
         )
+        # A job of the retry policy is rescheduled: Celery logs "retry: <our Retry's text>".
+        reminder = remind.delay(EVIL_EMAIL)
+        wait_for(
+            lambda: any(" retry: " in r.getMessage() for r in caplog.records),
+            timeout=15,
+            message="Celery logged the reschedule",
+        )
         listed = _run_cli(tmp_path, env.masters.urls, "ls")
         gate.set()
         assert first.get(timeout=15) == "sent"
+        assert reminder.get(timeout=15) == "reminded"
         del second
 
     text = caplog.text + "\n".join(_lines(caplog, logging.DEBUG))
