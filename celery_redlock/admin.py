@@ -18,6 +18,7 @@ import redis
 from .keys import redis_key, split_redis_key
 from .lock import Redlock
 from .lock.master import Master
+from .redact import scrub
 
 __all__ = [
     "ClearPlan",
@@ -187,7 +188,7 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
                     pipe.get(name)
             values = pipe.execute()
         except redis.RedisError as exc:
-            errors[master.name] = str(exc)
+            errors[master.name] = scrub(str(exc))
             continue
         for i, name in enumerate(names):
             parts = split_redis_key(prefix, name)
@@ -257,7 +258,7 @@ def inspect_key(redlock: Redlock, key: str) -> list[dict[str, Any]]:
                     value = _text(value)
                 row[name] = {"value": value, "pttl_ms": client.pttl(name)}
         except redis.RedisError as exc:
-            row["error"] = str(exc)
+            row["error"] = scrub(str(exc))
         rows.append(row)
     return rows
 
@@ -329,7 +330,7 @@ def plan_clear(redlock: Redlock, key: str, *, pattern: bool = False) -> ClearPla
                 if dumped is not None
             )
         except redis.RedisError as exc:
-            errors[master.name] = str(exc)
+            errors[master.name] = scrub(str(exc))
             continue
         # A lock's metadata goes with the lock (renewals rewrite it, so it is not
         # compared itself); metadata whose lock is gone is compared like any key.
@@ -370,7 +371,7 @@ def delete_planned(
         try:
             replies = client.eval(CLEAR_IF_UNCHANGED, len(keys), *keys, *(found[n] for n in names))
         except redis.RedisError as exc:
-            errors[master.name] = str(exc)
+            errors[master.name] = scrub(str(exc))
             continue
         for name, reply in zip(names, replies, strict=True):
             if reply == 1:
@@ -462,7 +463,7 @@ def check(
                 report.warnings.append("CONFIG is disabled: persistence settings unknown")
             report.reachable = True
         except redis.RedisError as exc:
-            report.error = str(exc)
+            report.error = scrub(str(exc))
     for report in reports:
         if not report.reachable:
             continue
@@ -512,7 +513,7 @@ def check(
                     "ours: another application shares the prefix"
                 )
         except redis.RedisError as exc:
-            report.warnings.append(f"could not finish the check: {exc}")
+            report.warnings.append(scrub(f"could not finish the check: {exc}"))
     for report, status in zip(reports, statuses, strict=True):
         if status.duplicate_of is not None:
             report.duplicate_of = status.duplicate_of

@@ -50,12 +50,13 @@ from . import signals
 from .client import redlock_for
 from .exceptions import LockContended, QuorumUnavailable, RedlockError
 from .lock import Lease, limits
+from .redact import guard
 from .settings import get_settings
 from .task import drop_held_duplicate
 
 __all__ = ["OCCURRENCE_HEADER", "BeatLeader", "DropDuplicateOccurrences", "guard_scheduler"]
 
-logger = logging.getLogger("celery_redlock.beat")
+logger = guard(logging.getLogger("celery_redlock.beat"))  # see celery_redlock.redact
 
 #: Message header carrying the occurrence a beat message belongs to.
 OCCURRENCE_HEADER = "redlock_occurrence"

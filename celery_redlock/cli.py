@@ -19,13 +19,14 @@ from . import admin
 from .client import redlock_for
 from .exceptions import ImproperlyConfigured
 from .lock import Redlock
+from .redact import printable, shown
 from .settings import get_settings
 
 __all__ = ["redlock"]
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[("" if c is None else str(c)) for c in row] for row in rows]
+    cells = [[("" if c is None else shown(c)) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -119,7 +120,7 @@ def ls(ctx: click.Context, pattern: str, as_json: bool, **_: Any) -> None:
         headers = ("kind", "key", "owner", "task", "worker", "acquired (UTC)", "ttl", "fence", "on")
         click.echo(_table(headers, rows) if rows else "no keys match")
     for name, error in errors.items():
-        click.echo(f"warning: {name} not read: {error}", err=True)
+        click.echo(f"warning: {name} not read: {shown(error)}", err=True)
 
 
 @redlock.command(cls=CeleryCommand)
@@ -185,7 +186,7 @@ def clear(
         if plan.errors:
             sys.exit(1)
         return
-    click.echo("\n".join(names))
+    click.echo("\n".join(printable(name) for name in names))
     if not yes:
         click.confirm(f"Delete these {len(names)} keys on every master?", abort=True)
     deleted, changed, errors = admin.delete_planned(client, plan)
@@ -194,7 +195,7 @@ def clear(
         click.echo(f"kept {name}: it changed since it was listed", err=True)
     for name, error in errors.items():
         if name not in plan.errors:
-            click.echo(f"warning: {name} not cleared: {error}", err=True)
+            click.echo(f"warning: {name} not cleared: {shown(error)}", err=True)
     if errors:
         sys.exit(1)
 
@@ -248,9 +249,9 @@ def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
         click.echo(_table(headers, rows))
         for r in reports:
             for warning in r.warnings:
-                click.echo(f"warning: {r.name}: {warning}")
+                click.echo(f"warning: {r.name}: {shown(warning)}")
         for problem in problems:
-            click.echo(f"warning: {problem}")
+            click.echo(f"warning: {shown(problem)}")
         click.echo(f"longest lock TTL: {max_ttl:g}s (tasks' lock_ttl, redlock_ttl, beat lease)")
         up = sum(1 for r in reports if r.reachable and r.duplicate_of is None)
         verdict = "OK" if quorum else "UNAVAILABLE"

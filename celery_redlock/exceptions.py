@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .redact import scrub
+
 __all__ = [
     "AlreadyQueued",
     "ImproperlyConfigured",
@@ -29,6 +31,9 @@ class RedlockError(Exception):
     :param key: the lock key involved, when there is one.
     :param masters: the masters involved, as passwordless descriptions.
     :param errors: per master description, what went wrong there.
+
+    ``message`` and ``errors`` are scrubbed of every secret this process knows (see
+    :func:`celery_redlock.redact.scrub`): they travel to result backends and logs.
     """
 
     def __init__(
@@ -38,8 +43,9 @@ class RedlockError(Exception):
         masters: Sequence[str] = (),
         errors: Mapping[str, str] | None = None,
     ) -> None:
+        message = scrub(message)
         masters = list(masters)
-        errors = dict(errors or {})
+        errors = {name: scrub(text) for name, text in (errors or {}).items()}
         super().__init__(message, key, masters, errors)
         self.message = message
         self.key = key

@@ -28,6 +28,7 @@ from kombu.serialization import dumps, loads
 from .exceptions import QuorumUnavailable
 from .keys import MAX_KEY_LENGTH
 from .lock import Redlock
+from .redact import guard
 
 __all__ = [
     "DEDUPE_SUFFIX",
@@ -40,7 +41,7 @@ __all__ = [
     "wire_arguments",
 ]
 
-logger = logging.getLogger("celery_redlock.identity")
+logger = guard(logging.getLogger("celery_redlock.identity"))  # see celery_redlock.redact
 
 #: First part of every dedupe marker's suffix; the task name follows (:func:`dedupe_suffix`).
 DEDUPE_SUFFIX = "dedupe"

@@ -12,7 +12,8 @@ variable) are refused rather than converted, so that ``"30s"`` or ``"0,5"`` can
 never be half-understood: convert them where you read the environment. Bools
 are not numbers here, and only bools are bools.
 
-Passwords in Redis URLs never appear in a message: they are masked as ``***``.
+Passwords, TLS key passwords and key file paths of the masters never appear in a message:
+they are masked as ``***`` (see :mod:`celery_redlock.redact`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from .backoff import Backoff, parse_backoff
 from .exceptions import ImproperlyConfigured
 from .keys import KeyBuilder, compile_lock_key, validate_prefix
 from .lock import limits
+from .redact import guard, mask_url, remember_secrets_of, scrub
 
-logger = logging.getLogger("celery_redlock.settings")
+logger = guard(logging.getLogger("celery_redlock.settings"))  # see celery_redlock.redact
 
 __all__ = [
     "CALL_OPTIONS",
@@ -139,31 +141,6 @@ def _label(name: str) -> str:
 
 
 # -- messages and masking ------------------------------------------------------------------
-
-
-def mask_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (also in ``?password=``).
-
-    Works on malformed URLs too: everything between the first ``:`` of the user
-    info and the last ``@`` before the query is hidden, so a password holding an
-    unescaped ``/`` or ``@`` does not leak either.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    query_at = rest.find("?")
-    end = query_at if query_at >= 0 else len(rest)
-    at = rest.rfind("@", 0, end)
-    if at >= 0 and ":" in rest[:at]:
-        user = rest[: rest.index(":")]
-        rest = f"{user}:***{rest[at:]}"
-    base, qsep, query = rest.partition("?")
-    if qsep:
-        query = "&".join(
-            f"{part.partition('=')[0]}=***" if part.lower().startswith("password=") else part
-            for part in query.split("&")
-        )
-    return f"{scheme}{sep}{base}{qsep}{query}"
 
 
 def describe_master(spec: object) -> str:
@@ -340,7 +317,13 @@ def _check_url(url: str) -> tuple[object, ...]:
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
         raise _RejectedError(f"{shown} has no redis://, rediss:// or unix:// scheme")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": an unescaped '[' or ']'
+        raise _RejectedError(
+            f"{shown} is not a valid URL ({exc}); percent-encode special characters of "
+            "the password (urllib.parse.quote(password, safe=''))"
+        ) from None
     try:
         port = parts.port
     except ValueError:
@@ -605,8 +588,16 @@ def check_values(
             f"ttl={ttl:g}",
         )
     if problems:
-        return None, problems
+        # Belt and braces: no message shows a password of the masters given, whatever
+        # part of a spec it quotes (mask_url and describe_master already hide them).
+        for spec in [*_as_list(values.get("redis_urls")), *_as_list(broker_url)]:
+            remember_secrets_of(spec)
+        return None, [dataclasses.replace(p, message=scrub(p.message)) for p in problems]
     return RedlockSettings(**clean), []
+
+
+def _as_list(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 # -- unknown names -------------------------------------------------------------------------

@@ -48,6 +48,8 @@ from .identity import (
 )
 from .keys import compile_lock_key, redis_key
 from .lock import Lease
+from .lock.summary import log_limited
+from .redact import guard, printable
 from .settings import (
     UNSET,
     TaskOptions,
@@ -59,7 +61,7 @@ from .settings import (
 
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
-logger = logging.getLogger("celery_redlock.task")
+logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.redact
 
 #: Message header: how many times contention has rescheduled this job so far.
 CONTENTION_HEADER = "redlock_contention"
@@ -467,7 +469,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request.redlock_key = key
         interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
         request.redlock_interrupter = interrupter
-        lease.on_lost(lambda lost: self._on_lost(lost, key, task_id, opts, interrupter))
+        lease.on_lost(
+            lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
+        )
         signals.lock_acquired.send(
             sender=self, key=key, lease=lease, task_id=task_id, waited=time.monotonic() - started
         )
@@ -636,7 +640,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         )
         if policy == "retry":
             assert countdown is not None
-            logger.info(
+            log_limited(  # a storm of reschedules is one state: no line per job
+                logger,
+                logging.INFO,
+                f"{self.name} contention",
                 "%s[%s]: %s is held elsewhere; rescheduled in %.2fs (contention %d)",
                 self.name,
                 request.id,
@@ -645,7 +652,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 attempt + 1,
             )
             self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
-            raise Retry(f"lock {key} contended", exc=exc, when=countdown)
+            raise Retry(f"lock {printable(key)} contended", exc=exc, when=countdown)
         if policy == "skip":
             self._end_skipped(request, key, opts, "")
             raise Ignore()
@@ -675,7 +682,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             raise exc
         attempt = int(_header(request, OUTAGE_HEADER) or 0)
         countdown = get_settings(self.app).outage_backoff.delay(attempt)
-        logger.warning(
+        log_limited(  # every job meets the outage: one line per period, not per job
+            logger,
+            logging.WARNING,
+            f"{self.name} outage",
             "%s[%s]: lock service unavailable for %s (%s); rescheduled in %.2fs, not run",
             self.name,
             request.id,
@@ -687,7 +697,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             sender=self, key=key, task_id=request.id, countdown=countdown, errors=exc.errors
         )
         self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1})
-        raise Retry(f"lock service unavailable for {key}", exc=exc, when=countdown)
+        raise Retry(f"lock service unavailable for {printable(key)}", exc=exc, when=countdown)
 
     def _end_skipped(self, request: Any, key: str, opts: TaskOptions, when: str) -> None:
         """End a job skipped on contention: its dedupe marker, a log line, IGNORED.

@@ -18,11 +18,12 @@ from celery import bootsteps
 from celery import signals as celery_signals
 
 from .exceptions import ImproperlyConfigured
+from .redact import guard
 from .settings import get_settings
 
 __all__ = ["install", "validate_app"]
 
-logger = logging.getLogger("celery_redlock.wiring")
+logger = guard(logging.getLogger("celery_redlock.wiring"))  # see celery_redlock.redact
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()

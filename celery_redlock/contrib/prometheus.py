@@ -62,10 +62,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from .. import signals
 from ..exceptions import ImproperlyConfigured
+from ..redact import guard
 
 __all__ = ["install"]
 
-logger = logging.getLogger("celery_redlock.prometheus")
+logger = guard(logging.getLogger("celery_redlock.prometheus"))  # see celery_redlock.redact
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 

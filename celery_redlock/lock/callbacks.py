@@ -15,12 +15,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..redact import guard
+
 if TYPE_CHECKING:
     from .lease import Lease
 
 __all__ = ["LostCallback", "dispatch_lost"]
 
-logger = logging.getLogger("celery_redlock.heartbeat")
+logger = guard(logging.getLogger("celery_redlock.heartbeat"))  # see celery_redlock.redact
 
 LostCallback = Callable[["Lease"], Any]
 

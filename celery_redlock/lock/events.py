@@ -27,9 +27,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..redact import guard
+
 __all__ = ["EVENTS", "emit", "listening", "subscribe", "unsubscribe"]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 EVENTS = ("master_state", "lock_renewed")
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from ..redact import guard
 from . import events, process
 from .callbacks import dispatch_lost
 from .lease import HELD
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Heartbeat", "dispatch_lost", "engine", "forget"]
 
-logger = logging.getLogger("celery_redlock.heartbeat")
+logger = guard(logging.getLogger("celery_redlock.heartbeat"))  # see celery_redlock.redact
 
 #: Leases due within this share of their renew interval are renewed in the same tick.
 COALESCE = 0.25

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ..exceptions import LockLost
+from ..redact import guard, scrub
 from . import process
 from .callbacks import LostCallback, dispatch_lost
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Lease"]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 HELD, RELEASED, LOST = "held", "released", "lost"
 
@@ -56,6 +57,7 @@ class Lease:
         "_fence",
         "_fence_lock",
         "_lane",
+        "_loss_reported",
         "_mutex",
         "_pid",
         "_renew_every_default",
@@ -112,6 +114,8 @@ class Lease:
         self._lane = lane
         self._pid = process.pid()
         self._state = HELD
+        #: a lost callback logs the loss itself (see on_lost): _lose does not repeat it
+        self._loss_reported = False
         self._fence: int | None = None
         #: (proposal, replies, late slots, quarantined) when the acquire round also
         #: committed a fence; checked on first read of :attr:`fence`
@@ -252,14 +256,21 @@ class Lease:
             self._state = RELEASED
         return self.redlock._release(self, wait=wait)[0]
 
-    def on_lost(self, callback: LostCallback) -> None:
+    def on_lost(self, callback: LostCallback, *, reports_loss: bool = False) -> None:
         """Call ``callback(lease)`` once if the lease is lost while held.
 
         Callbacks run on a helper thread, never inside the renewal engine; an
         exception in one is logged. Registered on a lease already lost, the
         callback is scheduled at once.
+
+        The loss is logged once, at WARNING: by the lease, or with
+        ``reports_loss=True`` by the callback, which then says it with more context
+        (SingletonTask names the task and its policy); the lease's own line drops to
+        DEBUG.
         """
         with self._mutex:
+            if reports_loss:
+                self._loss_reported = True
             if self._state != LOST:
                 self._callbacks.append(callback)
                 return
@@ -310,9 +321,10 @@ class Lease:
             if self._state != HELD:
                 return False
             self._state = LOST
-            self.lost_reason = reason
+            self.lost_reason = scrub(reason)  # an error text: shown in signals and logs
             callbacks, self._callbacks = self._callbacks, []
-        logger.warning("lost the lock on %r: %s", self.key, reason)
+        log = logger.debug if self._loss_reported else logger.warning
+        log("lost the lock on %r: %s", self.key, reason)
         dispatch_lost(self, callbacks)
         return True
 

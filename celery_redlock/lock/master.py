@@ -29,7 +29,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
-from . import events, waiting, wire
+from ..redact import guard, remember_secrets_of, scrub
+from . import events, summary, waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -45,7 +46,7 @@ __all__ = [
     "note_granted_ttl",
 ]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 MasterSpec = str | Mapping[str, Any] | redis.Redis
 
@@ -89,7 +90,7 @@ _restarted_run_ids: dict[str, float] = {}
 _longest_granted = 0.0
 
 #: At most one summary line per master per this many seconds (see Master.note_unreached).
-LOG_PERIOD = 30.0
+LOG_PERIOD = summary.LOG_PERIOD
 
 
 def note_granted_ttl(ttl: float) -> None:
@@ -253,6 +254,9 @@ class Master:
             else None
         )
         self.node_timeout = node_timeout
+        # Error texts quote connection details (redis-py < 7.4 printed passwords in them):
+        # last_error is scrubbed of every secret this process knows.
+        remember_secrets_of(self._connection_kwargs)
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
         #: set while the master failed to answer a round in time; rounds do not wait on it
@@ -270,8 +274,7 @@ class Master:
         # and one summary per LOG_PERIOD at most, however many operations fail.
         self._said_down = False
         self._quiet_until = 0.0
-        self._summary_at = 0.0
-        self._unreached = 0
+        self._unreached = summary.Summary(LOG_PERIOD)
 
     def __repr__(self) -> str:
         return f"<Master {self.name}>"
@@ -409,6 +412,7 @@ class Master:
         flapping, or refused at every reconnect) is not logged again: the summary of
         :meth:`note_unreached` speaks for it.
         """
+        error = scrub(error)
         self.last_error = error
         if self.down:
             return
@@ -425,8 +429,7 @@ class Master:
         """Note that the master answered; logs an INFO line if its failure was logged."""
         if self.down:
             self.down = False
-            self._unreached = 0
-            self._summary_at = 0.0
+            self._unreached.reset()
             if self._said_down:
                 self._said_down = False
                 logger.info("master %s answers again", self.name)
@@ -441,15 +444,10 @@ class Master:
         :meth:`mark_down` did not already say it, then a summary of how many operations
         could not reach the master since. Never one line per operation.
         """
-        # No lock: threads racing here only blur a count or repeat a line, and a lock
-        # held by another thread at fork() would hang a forked child here.
-        now = time.monotonic()
-        self._unreached += 1
-        if now < self._summary_at:
+        verdict = self._unreached.note()
+        if verdict is None:
             return
-        count, self._unreached = self._unreached, 0
-        first = now >= self._summary_at + LOG_PERIOD  # no window open: a new episode
-        self._summary_at = now + LOG_PERIOD
+        first, count = verdict
         if first:
             if not self._said_down:
                 logger.warning(
@@ -500,7 +498,13 @@ class MasterStatus:
 
 
 def make_master(spec: MasterSpec, node_timeout: float) -> Master:
-    """Build a :class:`Master` from a URL, client kwargs, client, or Sentinel spec."""
+    """Build a :class:`Master` from a URL, client kwargs, client, or Sentinel spec.
+
+    The spec's secrets (passwords, ``sentinel_kwargs`` passwords, TLS key passwords and
+    key files) are remembered, so that no error text we pass on shows them (see
+    :func:`celery_redlock.redact.scrub`).
+    """
+    remember_secrets_of(spec)
     if isinstance(spec, str):
         scheme = urlsplit(spec).scheme
         if scheme not in _ALLOWED_SCHEMES:
@@ -555,6 +559,9 @@ def _sentinel_master(spec: Mapping[str, Any], node_timeout: float) -> Master:
     sentinel_kwargs = dict(kwargs.pop("sentinel_kwargs", None) or {})
     sentinel_kwargs.setdefault("socket_timeout", node_timeout)
     sentinel_kwargs.setdefault("socket_connect_timeout", node_timeout)
+    # As for the masters: no client-side retries (redis-py retries 3 times with backoff by
+    # default, seconds per round with a sentinel down).
+    sentinel_kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(service, **kwargs)  # type: ignore[no-untyped-call]
     pool = client.connection_pool

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
+from ..redact import guard
 from . import heartbeat, limits, process, scripts
 from . import master as master_mod
 from .fanout import Lane, RoundResult, Validator, run_round
@@ -24,7 +25,7 @@ from .wire import pack
 
 __all__ = ["Redlock"]
 
-logger = logging.getLogger("celery_redlock.lock")
+logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
 #: Blocking acquire retries with full jitter between these bounds (seconds).
 RETRY_BASE, RETRY_CAP = 0.010, 0.200
