@@ -57,6 +57,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, TypeAlias
 
+from kombu.serialization import dumps, loads
+
 from .exceptions import ImproperlyConfigured
 
 __all__ = [
@@ -508,18 +510,37 @@ def _checked_key(key: object, task_name: str, what: str) -> str:
     return cap_key(key)
 
 
-_NO_DEFAULT = object()
+def _default_forms(value: object, task_name: str) -> frozenset[bytes]:
+    """The canonical encodings a parameter's default may arrive in.
+
+    An argument passed explicitly reaches the worker (and the publisher's key) in its wire
+    form: a tuple default passed as such comes back a list from json, a ``(str, Enum)``
+    member its value. The default itself is applied by binding, unserialized. So an
+    argument is "at its default" when its canonical encoding (which already makes ``1`` and
+    ``1.0``, lists and tuples alike) matches the default's, or the default's after a json
+    or msgpack round trip (pickle keeps it as it is). A default that cannot be encoded
+    has no form: an argument is then at its default only when it is that very object.
+    """
+    forms: set[bytes] = set()
+    candidates: list[object] = [value]
+    for serializer in ("json", "msgpack"):
+        with contextlib.suppress(Exception):
+            content_type, encoding, data = dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+            candidates.append(loads(data, content_type, encoding, force=True))  # type: ignore[no-untyped-call]
+    for candidate in candidates:
+        with contextlib.suppress(Exception):
+            forms.add(canonical_bytes(candidate, task_name=task_name))
+    return frozenset(forms)
 
 
-def _is_default(value: object, default: object) -> bool:
-    """``value`` is the parameter's default: the same object, or equal and of one type."""
+def _at_default(value: object, default: object, forms: frozenset[bytes], task_name: str) -> bool:
     if value is default:
         return True
-    if default is _NO_DEFAULT or type(value) is not type(default):
+    if not forms:
         return False
     try:
-        return bool(value == default)
-    except Exception:  # noqa: BLE001 - a type whose == fails is simply not "the default"
+        return canonical_bytes(value, task_name=task_name) in forms
+    except Exception:  # noqa: BLE001 - an argument that cannot be encoded is not the default
         return False
 
 
@@ -535,9 +556,9 @@ def _compile_default(
         return lambda args, kwargs: task_name
     bind = _binder(signature)
     defaults = {
-        p.name: p.default
+        p.name: (p.default, _default_forms(p.default, task_name))
         for p in signature.parameters.values()
-        if p.default is not inspect.Parameter.empty
+        if p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD
     }
 
     def build(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
@@ -550,7 +571,7 @@ def _compile_default(
             arguments = {
                 name: value
                 for name, value in arguments.items()
-                if not _is_default(value, defaults.get(name, _NO_DEFAULT))
+                if name not in defaults or not _at_default(value, *defaults[name], task_name)
             }
         if unique_on is not None:
             # A name only a **kwargs catch-all could supply may be absent from a call;

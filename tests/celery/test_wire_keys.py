@@ -102,6 +102,30 @@ def test_tasks_sharing_a_key_template_never_share_a_marker(env: CeleryEnv, make_
     assert _markers(env) == []
 
 
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_a_default_passed_explicitly_is_the_same_job_as_one_left_out(
+    env: CeleryEnv, make_app: Any, serializer: str
+) -> None:
+    """Defaults that change on the wire (a tuple, a str Enum, a float passed as an int):
+    the explicit spelling is deduplicated against the queued job, never a second job
+    that could run beside it (found by review: both ran at once)."""
+    app = make_app()
+    app.conf.task_serializer = serializer
+    app.conf.accept_content = [serializer, "json"]
+
+    @app.task(base=SingletonTask)
+    def shaped(x: int, dims: Any = (1, 2), mode: Any = Color.RED, scale: Any = 1.0) -> int:
+        return x
+
+    first = shaped.delay(1)
+    for spelled in ({"dims": (1, 2)}, {"mode": Color.RED}, {"scale": 1}, {"dims": [1, 2]}):
+        assert shaped.apply_async((1,), spelled).id == first.id, spelled
+    assert shaped.apply_async((1,), {"dims": (2, 1)}).id != first.id
+    with run_worker(app):
+        assert first.get(timeout=10) == 1
+    assert shaped.apply_async((1,), {"mode": "red"}).id != first.id  # it ran: a new job
+
+
 def test_a_key_from_20k_ids_is_capped_and_the_job_runs(env: CeleryEnv, make_app: Any) -> None:
     app = make_app()
 
