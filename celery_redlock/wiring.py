@@ -109,13 +109,28 @@ class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships n
         validate_app(worker.app)
         from celery.apps.worker import Worker
 
-        # `celery worker` (not an in-process test worker, which is no apps.worker.Worker)
+        # `celery worker` (not an in-process test worker, which is no apps.worker.Worker),
+        # and any worker whose pool runs tasks in child processes: each child would keep
+        # its own lock table (an in-process test worker with pool="prefork" included).
         settings = get_settings(worker.app)
-        if settings.backend == "memory" and isinstance(worker, Worker):
+        if settings.backend == "memory":
             from .memory import refuse_in_shared_process
 
-            refuse_in_shared_process(settings.backend_force, "a celery worker")
+            if isinstance(worker, Worker):
+                refuse_in_shared_process(settings.backend_force, "a celery worker")
+            elif _forks_children(worker):
+                refuse_in_shared_process(
+                    settings.backend_force,
+                    "a worker with a prefork pool (each child process keeps its own locks)",
+                )
         super().__init__(worker, **kwargs)
+
+
+def _forks_children(worker: Any) -> bool:
+    """Whether ``worker``'s pool runs tasks in child processes (prefork)."""
+    pool = getattr(worker, "pool_cls", None)
+    where = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    return "prefork" in str(where) or "processes" in str(where)
 
 
 def _singleton(sender: Any) -> Any:

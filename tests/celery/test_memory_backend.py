@@ -19,7 +19,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redlock import ImproperlyConfigured, LockContended, LockLost, SingletonTask
+from celery_redlock import ImproperlyConfigured, LockContended, LockLost, SingletonTask, install
 from celery_redlock.client import redlock_for, reset_clients
 from celery_redlock.memory import MemoryRedlock
 from celery_redlock.settings import reset_settings
@@ -118,6 +118,23 @@ def test_in_process_worker_dedupes_and_skips_on_contention(worker_app: Celery) -
         wait_for(lambda: skipped.state == "IGNORED", timeout=20, message="IGNORED stored")
         gate.set()
         assert holder.get(timeout=20) == "held"
+
+
+def test_an_in_process_prefork_worker_refuses_the_memory_backend() -> None:
+    """Each prefork child would keep its own lock table: two runs of one key overlapped in
+    two children (found by review). Threads and solo pools share the process's table."""
+    app = memory_app()
+    install(app)
+    try:
+        with (
+            pytest.raises(ImproperlyConfigured, match="prefork pool"),
+            start_worker(app, pool="prefork", concurrency=2, perform_ping_check=False),
+        ):
+            pass
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()
 
 
 def test_ttl_runs_on_the_monotonic_clock_and_fences_grow() -> None:
