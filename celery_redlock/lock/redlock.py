@@ -459,16 +459,30 @@ class Redlock:
         """Deprecated alias of :meth:`locked` (it was also True for the caller's own lock)."""
         return self.locked(key)
 
+    def owned_by(self, key: str, field: str, value: str) -> bool:
+        """True when the metadata of the lock on ``key`` says ``field == value`` on a quorum.
+
+        One read (``HGET`` of the metadata hash, which lives and expires with the lock),
+        for a caller that must tell its own earlier holder (a crashed run of the same
+        task id) from another. Raises :class:`QuorumUnavailable` when too few answer.
+        """
+        want = value.encode()
+        command = pack(("HGET", self._keys(key)[1], field))
+        return self._read_vote(key, lambda got: got == want, command)
+
     def _owned(self, lease: Lease) -> bool:
         token = lease.token.encode()
         return self._read_vote(lease.key, lambda value: value == token)
 
-    def _read_vote(self, key: str, yes: Callable[[object], bool]) -> bool:
+    def _read_vote(
+        self, key: str, yes: Callable[[object], bool], command: bytes | None = None
+    ) -> bool:
         """Read the lock on every master: True when ``yes(value)`` holds on a quorum,
         False when it fails on more than ``n - quorum``; masters kept out after a
-        restart are not counted. Raises :class:`QuorumUnavailable` otherwise."""
+        restart are not counted. Raises :class:`QuorumUnavailable` otherwise.
+        ``command`` (one read whose reply is a string or nil) replaces ``GET`` of the lock."""
         lock_key = self._keys(key)[0]
-        payload = (pack(("GET", lock_key)), 1)
+        payload = (command or pack(("GET", lock_key)), 1)
         n, q = len(self.masters), self.quorum
         quarantined = self._quarantined(self._clock())
 
