@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import datetime as dt
+import importlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,10 +93,17 @@ class LockLostInterrupt(LockLost):
 
 
 class _Interrupter:
-    """Raises :class:`LockLostInterrupt` in the task's thread, only while the body runs."""
+    """Raises :class:`LockLostInterrupt` in the task's thread, only while the body runs.
+
+    In a thread (prefork, solo and threads pools) it is raised asynchronously with
+    ``PyThreadState_SetAsyncExc``. Under gevent or eventlet monkey-patching (their pools)
+    ``threading.get_ident()`` names a greenlet, not a thread: the task's greenlet is
+    thrown into by its hub instead, at its next blocking call.
+    """
 
     def __init__(self) -> None:
         self._thread_id = threading.get_ident()
+        self._greenlet = _green_current()
         self._mutex = threading.Lock()
         self._active = True
 
@@ -107,10 +116,35 @@ class _Interrupter:
             if not self._active:
                 return False
             self._active = False
+            if self._greenlet is not None:
+                kind, glet = self._greenlet
+                _green_throw(kind, glet)
+                return True
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self._thread_id), ctypes.py_object(LockLostInterrupt)
             )
             return True
+
+
+def _green_current() -> tuple[str, Any] | None:
+    """``("gevent"|"eventlet", the current greenlet)`` when that library monkey-patched
+    ``threading`` (so our callbacks run on greenlets of the same hub); else None."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return "gevent", importlib.import_module("gevent").getcurrent()
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        return "eventlet", importlib.import_module("eventlet.greenthread").getcurrent()
+    return None
+
+
+def _green_throw(kind: str, glet: Any) -> None:
+    """Have the hub raise LockLostInterrupt in ``glet`` when it next runs (non-blocking)."""
+    if kind == "gevent":
+        importlib.import_module("gevent").kill(glet, LockLostInterrupt)
+    else:
+        hub = importlib.import_module("eventlet.hubs").get_hub()
+        hub.schedule_call_global(0, glet.throw, LockLostInterrupt)
 
 
 #: Keys the worker's main process remembers as just dispatched (see drop_held_duplicate).
@@ -199,7 +233,7 @@ def _own_earlier_run(app: Any, key: str, task_id: str) -> bool:
         return False
     try:
         return redlock_for(app).owned_by(key, "task_id", task_id)
-    except Exception:  # noqa: BLE001 - treated as contention, as before this check
+    except Exception:
         logger.warning("could not read the owner of %s", key, exc_info=True)
         return False
 

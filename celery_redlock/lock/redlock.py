@@ -10,6 +10,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from typing import cast
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -349,6 +350,43 @@ class Redlock:
         deleted = sum(1 for x in result.replies if x is not None and x[0] == 1)
         self._note_unreached(result)
         return deleted >= self.quorum
+
+    def holder(self, key: str, fields: Sequence[str]) -> tuple[str, dict[str, str]] | None:
+        """The token of the lock on ``key`` and the metadata ``fields`` of its holder, as a
+        quorum of masters agree on them (one read); None when no quorum agrees (the key is
+        free, or unreachable masters leave it in doubt).
+
+        For a process that must release a lock it does not hold, once its holder is gone
+        (the worker's main process for a killed pool child): it reads the token here and
+        releases by that token (:meth:`release_token`), so a later holder is never freed.
+        """
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (pack(("GET", lock_key), ("HMGET", meta_key, *fields)), 2)
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters), valid=_holder_replies)
+        votes: dict[tuple[object, ...], int] = {}
+        for replies in result.replies:
+            if replies is not None and isinstance(replies[0], bytes):
+                seen = (replies[0], *cast("list[object]", replies[1]))
+                votes[seen] = votes.get(seen, 0) + 1
+        self._note_unreached(result)
+        for seen, count in votes.items():
+            if count >= self.quorum:
+                token, *values = (v.decode() if isinstance(v, bytes) else "" for v in seen)
+                return token, dict(zip(fields, values, strict=True))
+        return None
+
+    def release_token(self, key: str, token: str) -> bool:
+        """Delete the lock on ``key`` (and its metadata) where it still holds ``token``.
+
+        True when a quorum deleted it; never raises for unreachable masters.
+        """
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""), 1)
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters))
+        self._note_unreached(result)
+        return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
 
     def claim(
         self,
@@ -1237,6 +1275,16 @@ def _fence_replies(replies: list[object]) -> bool:
 def _claim_replies(replies: list[object]) -> bool:
     """CLAIM returns 1 or the value that holds the claim."""
     return all(type(x) is int or isinstance(x, bytes) for x in replies)
+
+
+def _holder_replies(replies: list[object]) -> bool:
+    """GET of the lock, then HMGET of its metadata (a list of strings or nils)."""
+    return (
+        len(replies) == 2
+        and (replies[0] is None or isinstance(replies[0], bytes))
+        and isinstance(replies[1], list)
+        and all(x is None or isinstance(x, bytes) for x in replies[1])
+    )
 
 
 def _get_replies(replies: list[object]) -> bool:
