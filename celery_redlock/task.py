@@ -264,7 +264,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     Options (class attributes, so ``@app.task(base=SingletonTask, **options)``
     sets them; anything not set comes from ``app.conf.redlock_*``): ``lock_key``,
     ``unique_on``, ``lock_ttl``, ``on_contention``, ``contention_backoff``,
-    ``max_contention_retries``, ``dedupe``, ``on_lock_lost``. See the docs'
+    ``max_contention_retries``, ``dedupe``, ``on_lock_lost``, ``skip_result``. See the docs'
     configuration page for each.
     """
 
@@ -276,6 +276,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     max_contention_retries: ClassVar[Any] = UNSET
     dedupe: ClassVar[Any] = UNSET
     on_lock_lost: ClassVar[Any] = UNSET
+    skip_result: ClassVar[Any] = UNSET
 
     _redlock_resolved: ClassVar[tuple[Any, TaskOptions] | None] = None
 

@@ -127,6 +127,7 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
         return
     if found is None:
+        logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
         _drop_marker(task, key, task_id, why)
         return
     token, meta = found
@@ -156,11 +157,18 @@ def _release_after_exit(task: Any, key: str, token: str, task_id: str, pid: int,
         if time.monotonic() >= next_read:
             next_read = time.monotonic() + HELD_POLL
             try:
-                found = redlock_for(task.app).holder(key, ())
+                found = redlock_for(task.app).holder(key, ("task_id",))
             except Exception:  # noqa: BLE001 - look again at the next read
                 continue
             if found is None or found[0] != token:
-                return  # released by the run itself, or expired
+                logger.info(
+                    "%s[%s]: %s was released by its run, or expired, after %s",
+                    task.name,
+                    task_id,
+                    key,
+                    why,
+                )
+                return
     _release_token(task, key, token, task_id, why)
 
 
@@ -170,6 +178,10 @@ def _release_token(task: Any, key: str, token: str, task_id: str, why: str) -> N
     try:
         if redlock_for(task.app).release_token(key, token):
             logger.info("%s[%s]: released %s after %s", task.name, task_id, key, why)
+        else:
+            # Expired meanwhile (a hard time limit caps the lock at the limit) or taken
+            # over: nothing of this run is left to free.
+            logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
     except Exception:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
     _drop_marker(task, key, task_id, why)

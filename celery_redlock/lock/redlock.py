@@ -360,6 +360,8 @@ class Redlock:
         (the worker's main process for a killed pool child): it reads the token here and
         releases by that token (:meth:`release_token`), so a later holder is never freed.
         """
+        if not fields:
+            raise ValueError("holder: name at least one metadata field")
         lock_key, meta_key, _ = self._keys(key)
         payload = (pack(("GET", lock_key), ("HMGET", meta_key, *fields)), 2)
         with self._lane() as lane:
