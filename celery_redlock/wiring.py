@@ -100,6 +100,7 @@ def _singleton(sender: Any) -> Any:
 ENDED_POLL = 0.05
 #: Seconds between two reads of whether a revoked run still holds its lock.
 HELD_POLL = 1.0
+_HAS_PROC = os.path.exists("/proc/self/stat")
 
 
 def _release_killed(task: Any, request: Any, why: str) -> None:
@@ -200,6 +201,16 @@ def _drop_marker(task: Any, key: str, task_id: str, why: str) -> None:
 
 
 def _process_alive(pid: int) -> bool:
+    """True while ``pid`` runs. A zombie (exited, not yet reaped by the pool) has ended:
+    Linux says so in ``/proc/<pid>/stat``; elsewhere it counts as running until reaped."""
+    if _HAS_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+        except FileNotFoundError:
+            return False
+        except (OSError, IndexError):
+            pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

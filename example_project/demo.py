@@ -189,7 +189,7 @@ class Demo:
 
         pay_run = wait(payment_done, 20, "the payment to run")[0]
         sync_run = self.runs(task_id=sync.id)[0]
-        wait(lambda: second_report.state == "IGNORED", 10, "the second report to be IGNORED")
+        wait(lambda: second_report.state == "FAILURE", 10, "the second report to be skipped")
         skipped = not self.runs(task_id=second_report.id)
         gap = pay_run.started - sync_run.finished
         say(f"apply_payment's states: {' -> '.join(states)}")
