@@ -117,8 +117,10 @@ def test_a_soft_revoke_keeps_the_lock_until_the_body_has_ended(
     second = soft.delay("s", 0.1)
     assert second.get(timeout=30) == "s"
 
+    [first_exit] = wait_for(
+        lambda: _events_of(proj_env, first.id, "exit"), timeout=10, message="cleanup ended"
+    )
     [cleanup] = _events_of(proj_env, first.id, "soft")
-    [first_exit] = _events_of(proj_env, first.id, "exit")
     [second_enter] = _events_of(proj_env, second.id, "enter")
     assert cleanup["t"] < first_exit["t"]
     assert second_enter["t"] >= first_exit["t"], (
