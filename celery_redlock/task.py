@@ -98,7 +98,8 @@ class _Interrupter:
     In a thread (prefork, solo and threads pools) it is raised asynchronously with
     ``PyThreadState_SetAsyncExc``. Under gevent or eventlet monkey-patching (their pools)
     ``threading.get_ident()`` names a greenlet, not a thread: the task's greenlet is
-    thrown into by its hub instead, at its next blocking call.
+    thrown into from its hub instead, at its next blocking call, unless its body ended
+    before the hub got there.
     """
 
     def __init__(self) -> None:
@@ -106,10 +107,12 @@ class _Interrupter:
         self._greenlet = _green_current()
         self._mutex = threading.Lock()
         self._active = True
+        self._ended = False
 
     def stop(self) -> None:
         with self._mutex:
             self._active = False
+            self._ended = True
 
     def interrupt(self) -> bool:
         with self._mutex:
@@ -117,13 +120,18 @@ class _Interrupter:
                 return False
             self._active = False
             if self._greenlet is not None:
-                kind, glet = self._greenlet
-                _green_throw(kind, glet)
+                _green_call_soon(self._greenlet[0], self._throw_green)
                 return True
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self._thread_id), ctypes.py_object(LockLostInterrupt)
             )
             return True
+
+    def _throw_green(self) -> None:
+        # On the hub, before the task's greenlet runs again; one thread (the hub's), so
+        # the flag cannot change under us, and the body may have ended since interrupt().
+        if not self._ended and self._greenlet is not None:
+            self._greenlet[1].throw(LockLostInterrupt)
 
 
 def _green_current() -> tuple[str, Any] | None:
@@ -138,13 +146,12 @@ def _green_current() -> tuple[str, Any] | None:
     return None
 
 
-def _green_throw(kind: str, glet: Any) -> None:
-    """Have the hub raise LockLostInterrupt in ``glet`` when it next runs (non-blocking)."""
+def _green_call_soon(kind: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on the hub of gevent or eventlet at its next turn (non-blocking)."""
     if kind == "gevent":
-        importlib.import_module("gevent").kill(glet, LockLostInterrupt)
+        importlib.import_module("gevent").get_hub().loop.run_callback(callback)
     else:
-        hub = importlib.import_module("eventlet.hubs").get_hub()
-        hub.schedule_call_global(0, glet.throw, LockLostInterrupt)
+        importlib.import_module("eventlet.hubs").get_hub().schedule_call_global(0, callback)
 
 
 #: Keys the worker's main process remembers as just dispatched (see drop_held_duplicate).
