@@ -198,7 +198,7 @@ class Demo:
         say(f"second build_report: state {second_report.state}, body ran: {not skipped}")
         out.observed = (
             f"2nd ran {gap:.2f}s after 1st ended{' (RETRY seen)' if 'RETRY' in states else ''}; "
-            f"dup report {second_report.state}"
+            f"dup report {'skipped' if skipped else 'ran'}"
         )
         out.passed = (
             published < sync_run.finished and gap >= 0 and pay_run.outcome == "ok" and skipped
