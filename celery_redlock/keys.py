@@ -61,6 +61,11 @@ from kombu.serialization import dumps, loads
 
 from .exceptions import ImproperlyConfigured
 
+#: The layout of what celery-redlock stores on the masters (key names, the metadata hash's
+#: fields, marker values), written as the ``format`` field of every lock's metadata. It
+#: changes only with a release whose upgrade notes say how to roll it out (docs/upgrading).
+STORAGE_FORMAT = "1"
+
 __all__ = [
     "MAX_KEY_LENGTH",
     "KeyArgumentError",

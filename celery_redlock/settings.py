@@ -74,6 +74,7 @@ MasterSpec: TypeAlias = "str | Mapping[str, Any] | redis.Redis"
 OnContention: TypeAlias = Literal["retry", "skip", "raise"]
 DedupeMode: TypeAlias = Literal["queued", "active"]
 OnLockLost: TypeAlias = Literal["log", "interrupt"]
+SkipResult: TypeAlias = Literal["failure", "ignored"]
 
 #: Shortest ``ttl`` accepted: Redis keeps milliseconds, and validity loses 2 ms plus drift.
 MIN_TTL: Final = limits.MIN_TTL
@@ -98,6 +99,7 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "dedupe_ttl": 3600,
         "raise_on_duplicate": False,
         "on_lock_lost": "log",
+        "skip_result": "failure",
         "outage_backoff": (1, 10),
         "beat_leader": True,
         "beat_lease_ttl": 10,
@@ -475,6 +477,9 @@ class RedlockSettings:
     dedupe_ttl: float = 3600
     raise_on_duplicate: bool = False
     on_lock_lost: OnLockLost = "log"
+    #: What a job skipped on contention stores: ``"failure"`` (a ready state, ``.get()``
+    #: raises LockContended) or ``"ignored"`` (IGNORED, ``.get()`` waits until its timeout).
+    skip_result: SkipResult = "failure"
     outage_backoff: Backoff = _OUTAGE_BACKOFF
     beat_leader: bool = True
     beat_lease_ttl: float = 10
@@ -525,6 +530,7 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "dedupe_ttl": lambda v: _seconds(v, 0.0, limits.MAX_DEDUPE_TTL),
     "raise_on_duplicate": _bool,
     "on_lock_lost": lambda v: _choice(v, ("log", "interrupt")),
+    "skip_result": lambda v: _choice(v, ("failure", "ignored")),
     "outage_backoff": _backoff,
     "beat_leader": _bool,
     "beat_lease_ttl": lambda v: _seconds(v, MIN_TTL),
@@ -821,10 +827,11 @@ _TASK_OPTIONS: Final[Mapping[str, str | None]] = {
     "dedupe": "dedupe",
     "on_lock_lost": "on_lock_lost",
     "raise_on_duplicate": "raise_on_duplicate",
+    "skip_result": "skip_result",
 }
 #: Options whose None means "not set"; for the others None is a value of its own.
 _NONE_IS_UNSET: Final = frozenset(
-    {"lock_ttl", "on_contention", "contention_backoff", "on_lock_lost"}
+    {"lock_ttl", "on_contention", "contention_backoff", "on_lock_lost", "skip_result"}
 )
 
 
@@ -840,6 +847,7 @@ class TaskOptions:
     max_contention_retries: int | None
     dedupe: DedupeMode | None
     on_lock_lost: OnLockLost
+    skip_result: SkipResult
     build_key: KeyBuilder = field(repr=False, compare=False)
     raise_on_duplicate: bool = False
 
@@ -889,7 +897,7 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
 
     Each option comes from the task (a class attribute, as ``@app.task(**options)``
     sets them) unless it is absent or :data:`UNSET` (or ``None``, for ``lock_ttl``,
-    ``on_contention``, ``contention_backoff`` and ``on_lock_lost``), then from
+    ``on_contention``, ``contention_backoff``, ``on_lock_lost`` and ``skip_result``), then from
     ``settings`` (app.conf or default). ``task`` is a task instance (preferred) or
     class; see :func:`~celery_redlock.keys.compile_lock_key` for the key.
 
@@ -952,6 +960,7 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
         max_contention_retries=resolved["max_contention_retries"],
         dedupe=resolved["dedupe"],
         on_lock_lost=resolved["on_lock_lost"],
+        skip_result=resolved["skip_result"],
         build_key=build_key,
         raise_on_duplicate=resolved["raise_on_duplicate"],
     )

@@ -5,7 +5,10 @@ Timeline of one run (worker side)::
     message arrives --> acquire key (1 round; also clears the "queued" dedupe
                         marker and writes owner metadata, same round)
         contended  --> retry: republish same id after full-jitter backoff
-                       skip: store IGNORED, drop; raise: fail with LockContended
+                       skip: store FAILURE(LockContended) or IGNORED (skip_result),
+                       drop; raise: fail with LockContended. A canvas member waits
+                       (retry) instead of being skipped; a redelivery whose own
+                       earlier run (dead worker) holds the key waits for it.
         no quorum  --> republish after outage backoff (never runs unguarded)
         acquired   --> heartbeat renews every renew_every while the body runs
                    --> body returns / raises / retries / hits its soft limit
@@ -20,9 +23,11 @@ from __future__ import annotations
 import contextvars
 import ctypes
 import datetime as dt
+import importlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +51,7 @@ from .identity import (
     message_serializer,
     wire_arguments,
 )
-from .keys import compile_lock_key, redis_key
+from .keys import STORAGE_FORMAT, compile_lock_key, redis_key
 from .lock import Lease
 from .lock.summary import log_limited
 from .redact import guard, printable
@@ -69,6 +74,9 @@ CONTENTION_HEADER = "redlock_contention"
 OUTAGE_HEADER = "redlock_outage"
 #: Message header set by beat (celery_redlock.beat.OCCURRENCE_HEADER).
 OCCURRENCE_HEADER = "redlock_occurrence"
+#: Message header: how many times this job waited for its own earlier run's lock (a
+#: redelivery after its worker died mid-run; not contention).
+OWN_RUN_HEADER = "redlock_own_run"
 
 #: Set while this library (or Celery's retry on our behalf) republishes a job that
 #: already owns its dedupe marker: such publishes must never be deduplicated.
@@ -103,26 +111,65 @@ class LockLostInterrupt(LockLost):
 
 
 class _Interrupter:
-    """Raises :class:`LockLostInterrupt` in the task's thread, only while the body runs."""
+    """Raises :class:`LockLostInterrupt` in the task's thread, only while the body runs.
+
+    In a thread (prefork, solo and threads pools) it is raised asynchronously with
+    ``PyThreadState_SetAsyncExc``. Under gevent or eventlet monkey-patching (their pools)
+    ``threading.get_ident()`` names a greenlet, not a thread: the task's greenlet is
+    thrown into from its hub instead, at its next blocking call, unless its body ended
+    before the hub got there.
+    """
 
     def __init__(self) -> None:
         self._thread_id = threading.get_ident()
+        self._greenlet = _green_current()
         self._mutex = threading.Lock()
         self._active = True
+        self._ended = False
 
     def stop(self) -> None:
         with self._mutex:
             self._active = False
+            self._ended = True
 
     def interrupt(self) -> bool:
         with self._mutex:
             if not self._active:
                 return False
             self._active = False
+            if self._greenlet is not None:
+                _green_call_soon(self._greenlet[0], self._throw_green)
+                return True
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self._thread_id), ctypes.py_object(LockLostInterrupt)
             )
             return True
+
+    def _throw_green(self) -> None:
+        # On the hub, before the task's greenlet runs again; one thread (the hub's), so
+        # the flag cannot change under us, and the body may have ended since interrupt().
+        if not self._ended and self._greenlet is not None:
+            self._greenlet[1].throw(LockLostInterrupt)
+
+
+def _green_current() -> tuple[str, Any] | None:
+    """``("gevent"|"eventlet", the current greenlet)`` when that library monkey-patched
+    ``threading`` (so our callbacks run on greenlets of the same hub); else None."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return "gevent", importlib.import_module("gevent").getcurrent()
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        return "eventlet", importlib.import_module("eventlet.greenthread").getcurrent()
+    return None
+
+
+def _green_call_soon(kind: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on the hub of gevent or eventlet at its next turn (non-blocking)."""
+    if kind == "gevent":
+        importlib.import_module("gevent").get_hub().loop.run_callback(callback)
+    else:
+        importlib.import_module("eventlet.hubs").get_hub().schedule_call_global(0, callback)
 
 
 #: Keys the worker's main process remembers as just dispatched (see drop_held_duplicate).
@@ -137,7 +184,7 @@ def drop_held_duplicate(
     Runs in the worker's main process. True (the caller acks the message) when
     ``task`` is a :class:`SingletonTask` with ``on_contention="skip"`` and the job's
     key is locked on a quorum right now: the job ends as its run would have ended it
-    (IGNORED stored, ``lock_contended`` sent with action ``"skip"``, its dedupe
+    (its ``skip_result`` stored, ``lock_contended`` sent with action ``"skip"``, its dedupe
     marker cleared, a log line), without the trip through the pool and Celery's
     handling of ``Ignore``, which costs milliseconds per job in a storm of duplicates.
 
@@ -153,7 +200,15 @@ def drop_held_duplicate(
         opts = task._options_with(headers.get(OPTIONS_HEADER))
         if opts.on_contention != "skip":
             return False
-        args, kwargs, _ = message.decode()
+        args, kwargs, embed = message.decode()
+        if _canvas_member(
+            (embed or {}).get("callbacks"),
+            (embed or {}).get("errbacks"),
+            (embed or {}).get("chain"),
+            (embed or {}).get("chord"),
+            headers.get("group"),
+        ):
+            return False  # a canvas member waits instead of being skipped: its run decides
         key = opts.lock_key(args, kwargs)
     except Exception:  # noqa: BLE001 - the run reports it properly
         return False
@@ -172,6 +227,8 @@ def drop_held_duplicate(
     if not held:
         return False
     task_id = headers.get("id") or ""
+    if _own_earlier_run(task.app, key, task_id):
+        return False  # a redelivery of the job that holds the key: its run waits for it
     signals.lock_contended.send(
         sender=task, key=key, task_id=task_id, action="skip", countdown=None, attempt=0
     )
@@ -184,6 +241,26 @@ def drop_held_duplicate(
     )
     task._end_skipped(request, key, opts, "before dispatch")
     return True
+
+
+def _canvas_member(callbacks: Any, errbacks: Any, chain: Any, chord: Any, group: Any) -> bool:
+    """True for a job a canvas waits for: it links callbacks or errbacks, is a chain's
+    step (``chain`` is a list, empty for the last step, None outside chains), or is a
+    member of a chord's header or of a group."""
+    return bool(callbacks or errbacks or chord or group) or chain is not None
+
+
+def _own_earlier_run(app: Any, key: str, task_id: str) -> bool:
+    """True when the lock on ``key`` is held by an earlier run of job ``task_id`` itself
+    (its metadata names that task id on a quorum): a message redelivered after its
+    worker died mid-run (``acks_late``). False when unsure (the masters cannot say)."""
+    if not task_id:
+        return False
+    try:
+        return redlock_for(app).owned_by(key, "task_id", task_id)
+    except Exception:
+        logger.warning("could not read the owner of %s", key, exc_info=True)
+        return False
 
 
 def _header(request: Any, name: str) -> Any:
@@ -212,9 +289,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     Options (class attributes, so ``@app.task(base=SingletonTask, **options)``
     sets them; anything not set comes from ``app.conf.redlock_*``): ``lock_key``,
     ``unique_on``, ``lock_ttl``, ``on_contention``, ``contention_backoff``,
-    ``max_contention_retries``, ``dedupe``, ``raise_on_duplicate``, ``on_lock_lost``.
-    See the docs' configuration page for each. One publish may override ``dedupe``,
-    ``lock_ttl``, ``on_contention`` and ``raise_on_duplicate``:
+    ``max_contention_retries``, ``dedupe``, ``raise_on_duplicate``, ``on_lock_lost``,
+    ``skip_result``. See the docs' configuration page for each. One publish may override
+    ``dedupe``, ``lock_ttl``, ``on_contention`` and ``raise_on_duplicate``:
     ``apply_async(..., redlock={"on_contention": "skip"})``.
     """
 
@@ -227,6 +304,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     dedupe: ClassVar[Any] = UNSET
     raise_on_duplicate: ClassVar[Any] = UNSET
     on_lock_lost: ClassVar[Any] = UNSET
+    skip_result: ClassVar[Any] = UNSET
 
     _redlock_resolved: ClassVar[tuple[Any, TaskOptions] | None] = None
 
@@ -444,6 +522,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             "host": request.hostname or socket.gethostname(),
             "pid": str(os.getpid()),
             "acquired_at": f"{time.time():.3f}",  # noqa: TID251 - shown to operators
+            "format": STORAGE_FORMAT,
         }
         try:
             lease = redlock.acquire(
@@ -617,12 +696,18 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
     ) -> None:
+        if not request.is_eager and _own_earlier_run(self.app, key, request.id or ""):
+            self._wait_for_own_run(request, key, opts, exc, args, kwargs)
         attempt = int(_header(request, CONTENTION_HEADER) or 0)
         policy: str = opts.on_contention
         if _header(request, OCCURRENCE_HEADER):
             # A beat occurrence whose previous run still holds the key: rescheduling
             # it would fire it twice, late. It is skipped.
             policy = "skip"
+        if policy == "skip" and self._in_canvas(request):
+            # A skipped chord member, chain step or group member would leave its canvas
+            # waiting for a result that never comes: it waits for the key instead.
+            policy = "retry"
         if request.is_eager:
             policy = "raise"
         if policy == "retry" and (
@@ -669,6 +754,44 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             ) from exc
         raise exc
 
+    @staticmethod
+    def _in_canvas(request: Any) -> bool:
+        return _canvas_member(
+            getattr(request, "callbacks", None),
+            getattr(request, "errbacks", None),
+            getattr(request, "chain", None),
+            getattr(request, "chord", None),
+            getattr(request, "group", None),
+        )
+
+    def _wait_for_own_run(
+        self,
+        request: Any,
+        key: str,
+        opts: TaskOptions,
+        exc: LockContended,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        """Reschedule a job whose own earlier run holds its key (that run's worker died).
+
+        Whatever ``on_contention`` says: it is the same job, not a duplicate, so it is
+        neither skipped nor failed nor counted as contention. Its lock expires within
+        ``lock_ttl`` (nobody renews it), and then this job runs.
+        """
+        attempt = int(_header(request, OWN_RUN_HEADER) or 0)
+        countdown = min(opts.contention_backoff.delay(attempt), opts.lock_ttl)
+        logger.warning(
+            "%s[%s]: %s is still held by an earlier run of this same job (its worker died?);"
+            " waits for that lock to expire, rescheduled in %.2fs",
+            self.name,
+            request.id,
+            key,
+            countdown,
+        )
+        self._republish(request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1})
+        raise Retry(f"lock {key} held by an earlier run of this job", exc=exc, when=countdown)
+
     def _on_unavailable(
         self,
         request: Any,
@@ -700,7 +823,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         raise Retry(f"lock service unavailable for {printable(key)}", exc=exc, when=countdown)
 
     def _end_skipped(self, request: Any, key: str, opts: TaskOptions, when: str) -> None:
-        """End a job skipped on contention: its dedupe marker, a log line, IGNORED.
+        """End a job skipped on contention: its dedupe marker, a log line, its result.
 
         The caller sends ``lock_contended`` and, in a run, raises ``Ignore``.
         """
@@ -712,7 +835,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             key,
             f" {when}" if when else "",
         )
-        self._store_ignored(request, key)
+        self._store_skipped(request, key, opts)
 
     def _claim_marker(
         self,
@@ -745,17 +868,24 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         except Exception:
             logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
 
-    def _store_ignored(self, request: Any, key: str) -> None:
+    def _store_skipped(self, request: Any, key: str, opts: TaskOptions) -> None:
+        """Store what ``skip_result`` says: FAILURE with :class:`LockContended` (a ready
+        state: ``.get()`` raises at once), or IGNORED (``.get()`` waits for its timeout)."""
         if self.ignore_result or getattr(request, "ignore_result", False):
             return
-        try:
-            self.backend.store_result(
-                request.id,
-                {"reason": "lock contended", "key": key},
-                states.IGNORED,
-                request=request,
+        result: Any
+        if opts.skip_result == "ignored":
+            state, result = states.IGNORED, {"reason": "lock contended", "key": key}
+        else:
+            state = states.FAILURE
+            result = LockContended(
+                f"{key!r} was held by another run; this job was skipped (on_contention='skip')",
+                key,
+                redlock_for(self.app).master_names,
             )
+        try:
+            self.backend.store_result(request.id, result, state, request=request)
         except NotImplementedError:
             pass  # no result backend configured
         except Exception:
-            logger.warning("could not store IGNORED for %s", request.id, exc_info=True)
+            logger.warning("could not store %s for %s", state, request.id, exc_info=True)

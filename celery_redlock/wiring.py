@@ -9,7 +9,10 @@ configuration stops the worker at start, never at the first task.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+import time
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -139,8 +142,24 @@ def _singleton(sender: Any) -> Any:
     return sender if isinstance(sender, SingletonTask) else None
 
 
+#: Seconds between two looks of the main process at a revoked run's pool process.
+ENDED_POLL = 0.05
+#: Seconds between two reads of whether a revoked run still holds its lock.
+HELD_POLL = 1.0
+_HAS_PROC = os.path.exists("/proc/self/stat")
+
+
 def _release_killed(task: Any, request: Any, why: str) -> None:
-    """Free the lock of a task whose process died without cleanup (main process side)."""
+    """Free the lock of a run that cannot release it itself, once that run has ended.
+
+    Main process side, for a run revoked with terminate or lost with its pool process.
+    The lock is read once (its token, and the task id, host and pid its holder wrote);
+    only a lock held by this task id on this machine is touched. Once that pid has
+    exited it is released by its token, so a later holder (a redelivery of the same
+    task id included) is never freed. While the process lives (a soft kill such as
+    SIGUSR1, whose body may run its cleanup; a threads or solo pool, which cannot kill a
+    run) its run releases the lock itself when its body ends, and nothing is done here.
+    """
     from .client import redlock_for
 
     task_id = getattr(request, "id", None)
@@ -150,12 +169,100 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         key = task.redlock_options().lock_key(
             getattr(request, "args", None) or (), getattr(request, "kwargs", None) or {}
         )
-        redlock = redlock_for(task.app)
-        if redlock.release_owned_by(key, "task_id", task_id):
-            logger.info("%s[%s]: released %s after %s", task.name, task_id, key, why)
-        redlock.unclaim(key, task.dedupe_suffix(), task_id)
+        found = redlock_for(task.app).holder(key, ("task_id", "host", "pid"))
     except Exception:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
+        return
+    if found is None:
+        logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
+        _drop_marker(task, key, task_id, why)
+        return
+    token, meta = found
+    machine = meta["host"].rpartition("@")[2]
+    if meta["task_id"] != task_id or machine != socket.gethostname() or not meta["pid"].isdigit():
+        return  # another run's lock (a redelivery elsewhere): not ours to free
+    pid = int(meta["pid"])
+    if not _process_alive(pid):
+        _release_token(task, key, token, task_id, why)
+        return
+    threading.Thread(
+        target=_release_after_exit,
+        args=(task, key, token, task_id, pid, why),
+        name=f"redlock-release-{task_id}",
+        daemon=True,
+    ).start()
+
+
+def _release_after_exit(task: Any, key: str, token: str, task_id: str, pid: int, why: str) -> None:
+    """Wait (on its own thread) until ``pid`` exited, then release; stop watching when
+    the lock no longer holds ``token`` (the run ended and released it)."""
+    from .client import redlock_for
+
+    next_read = time.monotonic() + HELD_POLL
+    while _process_alive(pid):
+        time.sleep(ENDED_POLL)
+        if time.monotonic() >= next_read:
+            next_read = time.monotonic() + HELD_POLL
+            try:
+                found = redlock_for(task.app).holder(key, ("task_id",))
+            except Exception:  # noqa: BLE001 - look again at the next read
+                continue
+            if found is None or found[0] != token:
+                logger.info(
+                    "%s[%s]: %s was released by its run, or expired, after %s",
+                    task.name,
+                    task_id,
+                    key,
+                    why,
+                )
+                return
+    _release_token(task, key, token, task_id, why)
+
+
+def _release_token(task: Any, key: str, token: str, task_id: str, why: str) -> None:
+    from .client import redlock_for
+
+    try:
+        if redlock_for(task.app).release_token(key, token):
+            logger.info("%s[%s]: released %s after %s", task.name, task_id, key, why)
+        else:
+            # Expired meanwhile (a hard time limit caps the lock at the limit) or taken
+            # over: nothing of this run is left to free.
+            logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
+    except Exception:
+        logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
+    _drop_marker(task, key, task_id, why)
+
+
+def _drop_marker(task: Any, key: str, task_id: str, why: str) -> None:
+    from .client import redlock_for
+
+    try:
+        redlock_for(task.app).unclaim(key, task.dedupe_suffix(), task_id)
+    except Exception:
+        logger.warning(
+            "%s[%s]: could not clear marker after %s", task.name, task_id, why, exc_info=True
+        )
+
+
+def _process_alive(pid: int) -> bool:
+    """True while ``pid`` runs. A zombie (exited, not yet reaped by the pool) has ended:
+    Linux says so in ``/proc/<pid>/stat``; elsewhere it counts as running until reaped."""
+    if _HAS_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+        except FileNotFoundError:
+            return False
+        except (OSError, IndexError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _on_process_init(**_: Any) -> None:

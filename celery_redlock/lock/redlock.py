@@ -10,6 +10,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from typing import cast
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -351,6 +352,45 @@ class Redlock:
         self._note_unreached(result)
         return deleted >= self.quorum
 
+    def holder(self, key: str, fields: Sequence[str]) -> tuple[str, dict[str, str]] | None:
+        """The token of the lock on ``key`` and the metadata ``fields`` of its holder, as a
+        quorum of masters agree on them (one read); None when no quorum agrees (the key is
+        free, or unreachable masters leave it in doubt).
+
+        For a process that must release a lock it does not hold, once its holder is gone
+        (the worker's main process for a killed pool child): it reads the token here and
+        releases by that token (:meth:`release_token`), so a later holder is never freed.
+        """
+        if not fields:
+            raise ValueError("holder: name at least one metadata field")
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (pack(("GET", lock_key), ("HMGET", meta_key, *fields)), 2)
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters), valid=_holder_replies)
+        votes: dict[tuple[object, ...], int] = {}
+        for replies in result.replies:
+            if replies is not None and isinstance(replies[0], bytes):
+                seen = (replies[0], *cast("list[object]", replies[1]))
+                votes[seen] = votes.get(seen, 0) + 1
+        self._note_unreached(result)
+        for seen, count in votes.items():
+            if count >= self.quorum:
+                token, *values = (v.decode() if isinstance(v, bytes) else "" for v in seen)
+                return token, dict(zip(fields, values, strict=True))
+        return None
+
+    def release_token(self, key: str, token: str) -> bool:
+        """Delete the lock on ``key`` (and its metadata) where it still holds ``token``.
+
+        True when a quorum deleted it; never raises for unreachable masters.
+        """
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""), 1)
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * len(self.masters))
+        self._note_unreached(result)
+        return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
+
     def claim(
         self,
         key: str,
@@ -460,16 +500,30 @@ class Redlock:
         """Deprecated alias of :meth:`locked` (it was also True for the caller's own lock)."""
         return self.locked(key)
 
+    def owned_by(self, key: str, field: str, value: str) -> bool:
+        """True when the metadata of the lock on ``key`` says ``field == value`` on a quorum.
+
+        One read (``HGET`` of the metadata hash, which lives and expires with the lock),
+        for a caller that must tell its own earlier holder (a crashed run of the same
+        task id) from another. Raises :class:`QuorumUnavailable` when too few answer.
+        """
+        want = value.encode()
+        command = pack(("HGET", self._keys(key)[1], field))
+        return self._read_vote(key, lambda got: got == want, command)
+
     def _owned(self, lease: Lease) -> bool:
         token = lease.token.encode()
         return self._read_vote(lease.key, lambda value: value == token)
 
-    def _read_vote(self, key: str, yes: Callable[[object], bool]) -> bool:
+    def _read_vote(
+        self, key: str, yes: Callable[[object], bool], command: bytes | None = None
+    ) -> bool:
         """Read the lock on every master: True when ``yes(value)`` holds on a quorum,
         False when it fails on more than ``n - quorum``; masters kept out after a
-        restart are not counted. Raises :class:`QuorumUnavailable` otherwise."""
+        restart are not counted. Raises :class:`QuorumUnavailable` otherwise.
+        ``command`` (one read whose reply is a string or nil) replaces ``GET`` of the lock."""
         lock_key = self._keys(key)[0]
-        payload = (pack(("GET", lock_key)), 1)
+        payload = (command or pack(("GET", lock_key)), 1)
         n, q = len(self.masters), self.quorum
         quarantined = self._quarantined(self._clock())
 
@@ -1224,6 +1278,16 @@ def _fence_replies(replies: list[object]) -> bool:
 def _claim_replies(replies: list[object]) -> bool:
     """CLAIM returns 1 or the value that holds the claim."""
     return all(type(x) is int or isinstance(x, bytes) for x in replies)
+
+
+def _holder_replies(replies: list[object]) -> bool:
+    """GET of the lock, then HMGET of its metadata (a list of strings or nils)."""
+    return (
+        len(replies) == 2
+        and (replies[0] is None or isinstance(replies[0], bytes))
+        and isinstance(replies[1], list)
+        and all(x is None or isinstance(x, bytes) for x in replies[1])
+    )
 
 
 def _get_replies(replies: list[object]) -> bool:

@@ -60,7 +60,8 @@ def sync_account(self: Any, account_id: int, seconds: float = 2.0) -> None:
         Account.objects.filter(pk=account_id).update(synced_at=timezone.now())
 
 
-# A second report for the same day while one runs is pointless: skip it (state IGNORED).
+# A second report for the same day while one runs is pointless: skip it (state FAILURE
+# with LockContended, redlock_skip_result's default: its .get() raises at once).
 @shared_task(bind=True, base=SingletonTask, on_contention="skip")
 def build_report(self: Any, day: str) -> None:
     """Build the daily report for ``day`` (here: wait 2 s)."""

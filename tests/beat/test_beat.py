@@ -442,7 +442,7 @@ def test_beat_occurrence_of_a_held_singleton_is_skipped(
     cluster_factory: Callable[..., Cluster], publisher: Celery
 ) -> None:
     """A beat occurrence of a SingletonTask whose previous run holds the key is skipped:
-    state IGNORED, never rescheduled, never run."""
+    state FAILURE (LockContended, skip_result's default), never rescheduled, never run."""
     cluster = cluster_factory()
     worker = cluster.worker(concurrency=2)
     worker.wait_log(r"ready\.", timeout=60)
@@ -450,7 +450,7 @@ def test_beat_occurrence_of_a_held_singleton_is_skipped(
     cluster.wait_runs(lambda r: any(x["kind"] == "holder" for x in r), 30, "holder running")
     beat_id = _send(publisher, "proj.app.hold", "beat", "hold#1")
     wait_for(
-        lambda: publisher.AsyncResult(beat_id).state == "IGNORED",
+        lambda: publisher.AsyncResult(beat_id).state == "FAILURE",
         timeout=30,
         message="the beat occurrence was not skipped",
     )

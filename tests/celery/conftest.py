@@ -321,7 +321,8 @@ def celery_cmd(tmp_path: Path) -> Iterator[Callable[..., CeleryProcess]]:
 def spawn_worker(
     proj_env: ProjEnv, celery_cmd: Callable[..., CeleryProcess]
 ) -> Callable[..., CeleryProcess]:
-    """``spawn_worker("a")``: a ready `celery worker` (prefork, 2 children) named a@<host>."""
+    """``spawn_worker("a")``: a ready `celery worker` (prefork, 2 children) named a@<host>;
+    ``pool=`` another pool (Celery reads the first ``-P`` to monkey-patch gevent/eventlet)."""
     # proj_env comes first so that it is torn down last: after every worker has stopped
     # consuming from its queue.
 
@@ -330,6 +331,7 @@ def spawn_worker(
         *extra: str,
         conf: Mapping[str, Any] | None = None,
         app: str = "redlock_proj.celery_app",
+        pool: str = "prefork",
     ) -> CeleryProcess:
         env_vars = dict(proj_env.vars)
         if conf:
@@ -339,7 +341,7 @@ def spawn_worker(
             env_vars,
             "worker",
             "-P",
-            "prefork",
+            pool,
             "-c",
             "2",
             "--without-heartbeat",

@@ -258,7 +258,7 @@ def test_a_job_that_met_the_lock_leaves_no_marker_behind(
         recorder.wait_entered(1)
         turned_away = sync.delay(1)  # a new job: the first one started
         assert turned_away.id != running.id
-        final = "IGNORED" if policy == "skip" else "FAILURE"
+        final = "FAILURE"  # skipped (skip_result="failure") or raised: both LockContended
         wait_for(lambda: turned_away.state == final, timeout=10, message=f"{final} stored")
         gate.set()
         assert running.get(timeout=10) == 1

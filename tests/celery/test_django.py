@@ -40,7 +40,7 @@ def test_celery_redlock_settings_from_django_drive_the_worker(
     )
     second = client.send_task("redlock_django.hold", ("x",))
     # CELERY_REDLOCK_ON_CONTENTION = "skip" (the default would reschedule it instead).
-    wait_for(lambda: second.state == "IGNORED", timeout=15, message="IGNORED stored")
+    wait_for(lambda: second.state == "FAILURE", timeout=15, message="skip stored")
     proj_env.stop_loop("x")
     assert first.get(timeout=15) == "x"
     assert {e["task_id"] for e in proj_env.events()} == {first.id}

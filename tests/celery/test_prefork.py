@@ -92,8 +92,13 @@ def test_time_limits_release_the_lock_at_once(proj_env: ProjEnv, spawn_worker: A
     lock = _lock_names("loop:hard")[0]
     wait_for(lambda: not any(_on_masters(proj_env, lock)), timeout=5, message="released")
     assert time.monotonic() - started < 4  # 1 s limit, lock_ttl 30 s
+    # The main process releases it once the killed pool process has exited; renewal
+    # stopped at the limit (max_hold), so the lock may have expired by then.
     wait_for(
-        lambda: "released loop:hard after TimeLimitExceeded" in worker.log,
+        lambda: any(
+            "loop:hard" in line and "after TimeLimitExceeded" in line
+            for line in worker.log.splitlines()
+        ),
         timeout=5,
         message="the main process's release in the worker log",
     )
@@ -259,13 +264,13 @@ def test_a_killed_worker_lock_frees_within_lock_ttl_and_another_worker_runs_the_
     # Within lock_ttl (3 s), plus the broker's redelivery, plus slack for a loaded machine;
     # the default lock_ttl would be 30 s.
     assert (rerun["t"] - killed_at) / 1e9 < 3 + redelivery + 3
-    contended = [s for s in proj_env.signals("lock_contended") if s["task_id"] == job.id]
-    assert all(s["action"] == "retry" and s["host"] == survivor.nodename for s in contended)
+    # The dead run's lock names the same task id: the redelivery is the same job, so it
+    # waits for that lock without counting (or signalling) contention.
+    assert [s for s in proj_env.signals("lock_contended") if s["task_id"] == job.id] == []
     if proj_env.kind == "rabbitmq":
-        # Redelivered at once, the job met the dead worker's lock and was rescheduled on
-        # contention (not run, not dropped) until the lock expired.
-        assert contended, "the redelivered job never met the dead worker's lock"
-        assert contended[0]["t"] < expired_at
+        # Redelivered at once, the job met the dead worker's lock and was rescheduled
+        # (not run, not dropped) until the lock expired.
+        assert "held by an earlier run of this same job" in survivor.log
 
 
 @pytest.mark.chaos

@@ -66,7 +66,7 @@ def test_retry_runs_identical_jobs_one_after_the_other(
 
 
 @pytest.mark.parametrize("env", BROKERS, indirect=True)
-def test_skip_runs_once_and_stores_ignored(
+def test_skip_runs_once_and_stores_a_failure(
     env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog
 ) -> None:
     app = make_app()
@@ -84,12 +84,14 @@ def test_skip_runs_once_and_stores_ignored(
         first = nightly.delay("mon")
         recorder.wait_entered(1)
         second = nightly.delay("mon")
-        wait_for(lambda: _state(second) == "IGNORED", timeout=10, message="IGNORED stored")
+        # skip_result="failure" (the default): a ready state, .get() raises at once.
+        with pytest.raises(LockContended):
+            second.get(timeout=10)
         gate.set()
         assert first.get(timeout=10) == "mon"
 
     assert [s.task_id for s in recorder.spans] == [first.id]
-    assert AsyncResult(second.id, app=app).state == "IGNORED"
+    assert AsyncResult(second.id, app=app).state == "FAILURE"
     assert signal_log.of("lock_contended", task_id=second.id, action="skip", key="nightly:mon")
 
 
@@ -97,7 +99,7 @@ def test_skip_duplicates_of_a_held_key_are_dropped_before_the_pool(
     env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog
 ) -> None:
     """A storm of duplicates while the first job runs: the worker's main process drops
-    them (IGNORED stored, signal sent) without handing them to the pool; once the key
+    them (FAILURE stored, signal sent) without handing them to the pool; once the key
     is free again, the next duplicate runs."""
     app = make_app()
     gate = threading.Event()
@@ -121,7 +123,7 @@ def test_skip_duplicates_of_a_held_key_are_dropped_before_the_pool(
             recorder.wait_entered(1)
             storm = [feed.delay("news") for _ in range(30)]
             for result in storm:
-                wait_for(lambda r=result: _state(r) == "IGNORED", timeout=20, message="IGNORED")
+                wait_for(lambda r=result: _state(r) == "FAILURE", timeout=20, message="FAILURE")
             assert started == [first.id], "a duplicate of a held key went to the pool"
             gate.set()
             assert first.get(timeout=10) == "news"

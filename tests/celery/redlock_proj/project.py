@@ -34,6 +34,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 
 import celery_redlock
 from celery_redlock import LockLostInterrupt, SingletonTask
@@ -48,6 +49,13 @@ QUICK_RAISE = "redlock_proj.quick_raise"
 QUICK_CAPPED = "redlock_proj.quick_capped"  # on_contention="retry", max_contention_retries=1
 #: Pure-Python work with ``on_lock_lost="interrupt"`` and a 3 s lock TTL (renewed every 1 s).
 SWEEP = "redlock_proj.sweep"
+#: Like ``sweep``, its body made of 0.1 s sleeps (a greenlet is interrupted at a sleep).
+NAPS = "redlock_proj.naps"
+#: Like ``crashy`` (acks_late; a 6 s TTL), each with one contention policy.
+CRASHY_SKIP = "redlock_proj.crashy_skip"
+CRASHY_RAISE = "redlock_proj.crashy_raise"
+#: Catches SoftTimeLimitExceeded (a revoke with SIGUSR1) and runs a 2 s cleanup.
+SOFT = "redlock_proj.soft"
 
 #: The signals :func:`record_signals` records.
 RECORDED_SIGNALS = ("lock_contended", "lock_unavailable", "lock_lost", "duplicate_dropped")
@@ -159,6 +167,65 @@ def make_app(env: Mapping[str, str]) -> Celery:
             raise
         record("exit", self)
         return name
+
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=NAPS,
+        lock_key="naps:{name}",
+        lock_ttl=3,
+        on_lock_lost="interrupt",
+        dedupe=None,
+    )
+    def naps(self: Any, name: str, seconds: float = 30.0) -> str:
+        """0.1 s sleeps for ``seconds``; records ``interrupted`` when its lost lock stops it."""
+        record("enter", self)
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+        except LockLostInterrupt:
+            record("interrupted", self)
+            raise
+        record("exit", self)
+        return name
+
+    @app.task(
+        shared=False, bind=True, base=SingletonTask, name=SOFT, lock_key="soft:{name}", dedupe=None
+    )
+    def soft(self: Any, name: str, seconds: float = 60.0) -> str:
+        """Sleeps until ``seconds`` pass; a soft kill makes it run a 2 s cleanup, then return."""
+        record("enter", self)
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+        except SoftTimeLimitExceeded:
+            record("soft", self)
+            cleanup_until = time.monotonic() + 2.0
+            while time.monotonic() < cleanup_until:
+                time.sleep(0.02)
+        record("exit", self)
+        return name
+
+    for crash_name, policy in ((CRASHY_SKIP, "skip"), (CRASHY_RAISE, "raise")):
+
+        @app.task(
+            shared=False,
+            bind=True,
+            base=SingletonTask,
+            name=crash_name,
+            lock_key="crash-" + policy + ":{name}",
+            # Longer than the Redis broker's redelivery in the tests (visibility timeout
+            # 2 s, then the sweep): the redelivered job meets the dead run's lock.
+            lock_ttl=6,
+            acks_late=True,
+            dedupe=None,
+            on_contention=policy,
+        )
+        def crashy_variant(self: Any, name: str, seconds: float = 60.0) -> str:
+            return run_until_stopped(self, name, seconds)
 
     for task_name, prefix, options in (
         (QUICK_SKIP, "skip", {"on_contention": "skip"}),
