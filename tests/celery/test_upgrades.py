@@ -23,7 +23,7 @@ def test_every_lock_carries_the_storage_format(env: CeleryEnv, make_app: Any) ->
     @app.task(base=SingletonTask, lock_key="fmt:{n}")
     def fmt(n: int) -> int:
         with env.masters[0].client(decode_responses=True) as conn:
-            seen.update(conn.hgetall("redlock:{fmt:%d}:meta" % n))
+            seen.update(conn.hgetall(f"redlock:{{fmt:{n}}}:meta"))
         return n
 
     with run_worker(app):
