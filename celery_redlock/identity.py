@@ -79,15 +79,26 @@ def wire_arguments(
         content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
             (list(args), dict(kwargs)), serializer=serializer
         )
-        wire_args, wire_kwargs = loads(  # type: ignore[no-untyped-call]
-            data, content_type, encoding, force=True
-        )
     except Exception as exc:  # noqa: BLE001 - the publish reports it properly
         logger.debug(
             "arguments do not survive serializer %s (%s); key from them as given", serializer, exc
         )
         return args, kwargs
+    try:
+        wire_args, wire_kwargs = loads(  # type: ignore[no-untyped-call]
+            data, content_type, encoding, force=True
+        )
+    except Exception as exc:
+        raise UndecodableArguments(
+            f"the arguments serialize with {serializer} but do not deserialize ({exc}): "
+            "a worker could not decode this message"
+        ) from exc
     return wire_args, wire_kwargs
+
+
+class UndecodableArguments(ValueError):
+    """Arguments a serializer encodes but cannot decode (msgpack and a dict with int keys):
+    the worker will drop the message, so no dedupe marker may stand for it."""
 
 
 def dedupe_suffix(task_name: str) -> str:

@@ -44,6 +44,7 @@ from .exceptions import AlreadyQueued, LockContended, LockLost, QuorumUnavailabl
 from .identity import (
     DEDUPE_SUFFIX,
     OPTIONS_HEADER,
+    UndecodableArguments,
     decode_call_options,
     dedupe_suffix,
     encode_call_options,
@@ -72,6 +73,9 @@ logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.r
 CONTENTION_HEADER = "redlock_contention"
 #: Message header: how many times an outage has rescheduled this job so far.
 OUTAGE_HEADER = "redlock_outage"
+#: Message header: the serializer a publish chose, when not the task's own (kept by
+#: reschedules and retries).
+SERIALIZER_HEADER = "redlock_serializer"
 #: Message header set by beat (celery_redlock.beat.OCCURRENCE_HEADER).
 OCCURRENCE_HEADER = "redlock_occurrence"
 #: Message header: how many times this job waited for its own earlier run's lock (a
@@ -270,17 +274,31 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
-def _delay_of(options: Mapping[str, Any]) -> float:
+def _delay_of(options: Mapping[str, Any], tz: dt.tzinfo | None = None) -> float:
+    """How long a publish waits before it can run (``countdown`` or ``eta``), in seconds.
+
+    ``eta`` may be a datetime or an ISO 8601 string, as Celery accepts both. A naive one is
+    read by the worker in the app's timezone (``tz``); here the later of the readings as
+    UTC and in ``tz`` is taken: the marker then outlives the wait (it is cleared when the
+    job starts anyway), never expires before it.
+    """
     countdown = options.get("countdown")
     if countdown:
-        return max(0.0, float(countdown))
+        try:
+            return max(0.0, float(countdown))
+        except (TypeError, ValueError):
+            return 0.0  # Celery refuses it when publishing
     eta = options.get("eta")
-    if isinstance(eta, dt.datetime):
-        now = dt.datetime.now(eta.tzinfo or dt.timezone.utc)
-        if eta.tzinfo is None:
-            eta = eta.replace(tzinfo=dt.timezone.utc)
-        return max(0.0, (eta - now).total_seconds())
-    return 0.0
+    if isinstance(eta, str):
+        try:
+            eta = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0  # Celery refuses it when publishing
+    if not isinstance(eta, dt.datetime):
+        return 0.0
+    if eta.tzinfo is None:
+        eta = max(eta.replace(tzinfo=dt.timezone.utc), eta.replace(tzinfo=tz or dt.timezone.utc))
+    return max(0.0, (eta - dt.datetime.now(dt.timezone.utc)).total_seconds())
 
 
 class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
@@ -365,6 +383,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         :class:`~celery_redlock.AlreadyQueued` instead of returning the queued job.
         """
         overrides = self._take_call_options(options)
+        self._note_serializer(options)
 
         def publish(task_id: str | None) -> Any:
             return super(SingletonTask, self).apply_async(
@@ -386,6 +405,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # both are canvas members, published by the worker on the canvas's behalf.
             or "chain" in options
             or options.get("parent_id")
+            # Task.replace() publishes the replacement under the replaced job's id: the
+            # caller waits on that id, so it must be published, never coalesced.
+            or options.get("replaced_task_nesting")
             or self.app.conf.task_always_eager
         ):
             return publish(task_id)
@@ -395,7 +417,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return publish(task_id)
         if task_id is not None and task_id == getattr(self.request, "id", None):
             return publish(task_id)  # a republish of the running job itself
-        key = self._publish_key(opts, args or (), kwargs or {}, options)
+        try:
+            key = self._publish_key(opts, args or (), kwargs or {}, options)
+        except UndecodableArguments as exc:
+            # A marker would stand for a job no worker can run: identical publishes would
+            # return it until the marker's TTL. Publish it without one, loudly.
+            logger.warning("%s: published without dedupe: %s", self.name, exc)
+            return publish(task_id)
         marker = self.dedupe_suffix()
         task_id = task_id or uuid()
         redlock = redlock_for(self.app)
@@ -404,7 +432,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 key,
                 marker,
                 task_id,
-                settings.dedupe_ttl + _delay_of(options),
+                settings.dedupe_ttl + _delay_of(options, self.app.timezone),
                 guard_for=0,
             )
         except (QuorumUnavailable, LockContended) as exc:
@@ -475,6 +503,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """The lock key of a publish, built from the arguments as the worker will see them."""
         wire_args, wire_kwargs = wire_arguments(args, kwargs, message_serializer(self, options))
         return opts.lock_key(wire_args, wire_kwargs)
+
+    def _note_serializer(self, options: dict[str, Any]) -> None:
+        """A serializer chosen for this publish travels in a header, so the job's contention
+        reschedules and retries (which Celery rebuilds from the request, without it) use
+        it too: under another serializer its arguments, so its key, could change."""
+        serializer = options.get("serializer")
+        if not serializer or serializer == (self.serializer or self.app.conf.task_serializer):
+            return
+        headers = dict(options.get("headers") or {})
+        headers[SERIALIZER_HEADER] = serializer
+        options["headers"] = headers
 
     def _take_call_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Pop ``redlock=`` from a publish's options, check it, put it in the headers."""
@@ -590,15 +629,27 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             if lease is None:
                 return
             lease.clear_on_release = None  # the job stays queued: an "active" marker too
+            run_key = lease.key
             self._release(request)
             opts = self._options_with(_header(request, OPTIONS_HEADER))
-            if opts.dedupe == "queued" and not request.is_eager:
+            if request.is_eager or opts.dedupe is None:
+                return
+            if opts.dedupe == "queued":
                 # Its "queued" marker went when the run started; the job waits in the
                 # queue again, so identical publishes coalesce into it again.
+                self._claim_marker(opts, args, kwargs, request.id, options)
+            elif self._publish_key(opts, args, kwargs, options) != run_key:
+                # "active", retried with other arguments: the job is now the one of the
+                # new key. Its marker moves, or the old key's would stand for a job that
+                # will never run it (every identical publish returned it until the TTL).
+                self._drop_dedupe_marker(run_key, opts, request.id)
                 self._claim_marker(opts, args, kwargs, request.id, options)
 
         if request.is_eager:
             release_for_retry((), {}, {})
+        serializer = _header(request, SERIALIZER_HEADER)
+        if serializer and not kwargs.get("serializer"):
+            kwargs["serializer"] = serializer
         token = _republishing.set(True)
         hook = _before_republish.set(release_for_retry)
         try:
@@ -681,9 +732,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         signature = self.signature_from_request(
             request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
         )
+        serializer = _header(request, SERIALIZER_HEADER)
         token = _republishing.set(True)
         try:
-            signature.apply_async()
+            if serializer:
+                signature.apply_async(serializer=serializer)
+            else:
+                signature.apply_async()
         finally:
             _republishing.reset(token)
 
@@ -850,7 +905,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return
         try:
             key = self._publish_key(opts, args, kwargs, options)
-            ttl = get_settings(self.app).dedupe_ttl + _delay_of(options)
+            ttl = get_settings(self.app).dedupe_ttl + _delay_of(options, self.app.timezone)
             holder, _ = redlock_for(self.app).claim(
                 key, self.dedupe_suffix(), task_id, ttl, guard_for=0
             )
