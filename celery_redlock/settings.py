@@ -65,6 +65,7 @@ MasterSpec: TypeAlias = "str | Mapping[str, Any] | redis.Redis"
 OnContention: TypeAlias = Literal["retry", "skip", "raise"]
 DedupeMode: TypeAlias = Literal["queued", "active"]
 OnLockLost: TypeAlias = Literal["log", "interrupt"]
+BeatCatchUp: TypeAlias = Literal["one", "all", "none"]
 
 #: Shortest ``ttl`` accepted: Redis keeps milliseconds, and validity loses 2 ms plus drift.
 MIN_TTL: Final = limits.MIN_TTL
@@ -91,6 +92,7 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "outage_backoff": (1, 10),
         "beat_leader": True,
         "beat_lease_ttl": 10,
+        "beat_catch_up": "one",
     }
 )
 
@@ -457,6 +459,25 @@ def default_redis_url(broker_url: object) -> str:
     return _LOCALHOST
 
 
+def _first_broker(broker_url: object) -> object:
+    if isinstance(broker_url, (list, tuple)):
+        return broker_url[0] if broker_url else None
+    return broker_url.split(";", 1)[0].strip() if isinstance(broker_url, str) else broker_url
+
+
+def _other_broker(broker_url: object) -> bool:
+    """Whether ``broker_url`` names a broker that is not Redis (AMQP, SQS, Sentinel...).
+
+    Then ``redlock_redis_urls`` has no default: a silent ``localhost:6379`` would gate
+    every beat entry on a server nobody configured. No broker URL at all keeps the
+    default (unit tests, the standalone API).
+    """
+    first = _first_broker(broker_url)
+    if not isinstance(first, str) or "://" not in first:
+        return False
+    return first.partition("://")[0] not in ("redis", "rediss", "unix", "socket", "redis+socket")
+
+
 # -- the settings object -------------------------------------------------------------------
 
 
@@ -484,6 +505,9 @@ class RedlockSettings:
     outage_backoff: Backoff = _OUTAGE_BACKOFF
     beat_leader: bool = True
     beat_lease_ttl: float = 10
+    #: missed occurrences of an entry after a failover or an outage: ``"one"`` late send
+    #: standing for all of them, ``"all"`` of them (at most ``beat.MAX_CATCH_UP``), ``"none"``
+    beat_catch_up: BeatCatchUp = "one"
 
     def __repr__(self) -> str:
         # Masters are described without their passwords: this repr may well be logged.
@@ -529,6 +553,7 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "outage_backoff": _backoff,
     "beat_leader": _bool,
     "beat_lease_ttl": lambda v: _seconds(v, MIN_TTL),
+    "beat_catch_up": lambda v: _choice(v, ("one", "all", "none")),
 }
 
 
@@ -552,6 +577,19 @@ def check_values(
         if name in values:
             raw = values[name]
         elif name == "redis_urls":
+            if _other_broker(broker_url):
+                problems.append(
+                    SettingProblem(
+                        name,
+                        "invalid",
+                        f"{_label(name)} must be set when the broker is not Redis (the "
+                        "masters would default to redis://localhost:6379/0, which may be "
+                        "nobody's lock service); accepted: a list of Redis master URLs, "
+                        "dicts, clients or Sentinel specs; broker: "
+                        f"{mask_url(str(_first_broker(broker_url)))}",
+                    )
+                )
+                continue
             raw = default_redis_url(broker_url)
         else:
             raw = DEFAULTS[name]

@@ -1,0 +1,312 @@
+"""Issue 16: beat behaves like Celery beat, only safer (real ``celery beat`` processes).
+
+- after a failover or a masters outage, the missed occurrences of an entry go out as one
+  late send standing for all of them (``redlock_beat_catch_up = "one"``), never a burst,
+  whichever beat leads afterwards;
+- every beat key is namespaced by app: two apps sharing masters keep their own claims;
+- a non-Redis broker needs explicit masters; no quorum means an ERROR each lease period,
+  the ``beat_no_leader`` signal, and an entry can opt out of the gating;
+- a few seconds of clock skew between beat hosts never double-sends or loses a crontab
+  occurrence at a minute boundary.
+
+Timing slack as in ``test_beat.py``: the machine may be loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from celery_redlock.testing import Masters, RedisServer
+
+from .proj.cluster import Cluster, interval_counts, occurrence_problems
+
+TTL = 3.0
+SLACK = 2.0
+#: Short intervals, so a failover (about TTL seconds) misses several occurrences.
+FAST = 0.5
+SCHEDULE: dict[str, float | str] = {"fast-a": FAST, "fast-b": FAST}
+ENTRIES = ("fast-a", "fast-b")
+#: Two sends of one entry closer than this are a burst (an on-time send follows a late
+#: one by at least a quarter interval, see guard_scheduler).
+BURST = 0.1
+
+LEADER_LINE = r"leader election on .*: LEADER"
+STANDBY_LINE = r"leader election on .*: standby"
+
+
+def now() -> float:
+    return time.time()  # noqa: TID251 - compared with the wall times other processes record
+
+
+def observe(seconds: float) -> None:
+    """Let time pass on purpose: the assertion is about what happens meanwhile."""
+    time.sleep(seconds)
+
+
+def sends_after(cluster: Cluster, per_entry: int, after: float, by: str | None = None) -> Any:
+    def enough(runs: list[dict[str, Any]]) -> bool:
+        chosen = [r for r in runs if r["sent_at"] > after and (by is None or r["sender"] == by)]
+        counts = interval_counts(chosen, ENTRIES)
+        return min(counts.values()) >= per_entry
+
+    return enough
+
+
+def start_beats(cluster: Cluster, *names: str) -> None:
+    for i, name in enumerate(names):
+        cluster.beat(name).wait_log(LEADER_LINE if i == 0 else STANDBY_LINE, timeout=60)
+
+
+def bursts(runs: list[dict[str, Any]], after: float) -> dict[str, list[float]]:
+    """Per entry, the gaps (s) between consecutive sends after ``after`` that are bursts."""
+    out: dict[str, list[float]] = {}
+    for name in ENTRIES:
+        times = sorted(r["sent_at"] for r in runs if r["kind"] == name and r["sent_at"] > after)
+        close = [round(b - a, 4) for a, b in itertools.pairwise(times) if b - a < BURST]
+        if close:
+            out[name] = close
+    return out
+
+
+def coalesced(runs: list[dict[str, Any]], after: float) -> dict[str, int]:
+    """Per entry, the largest ``catch_up`` count of a send after ``after``."""
+    return {
+        name: max(
+            (
+                int(r.get("catch_up") or 1)
+                for r in runs
+                if r["kind"] == name and r["sent_at"] > after
+            ),
+            default=0,
+        )
+        for name in ENTRIES
+    }
+
+
+# -- item 1: failover ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(150)
+def test_leader_kill_sends_one_coalesced_late_send_per_entry(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """The leader is SIGKILLed; about TTL / interval occurrences of each entry fall due
+    before the standby takes over. It sends one late send per entry standing for all of
+    them (the ``redlock_catch_up`` header), then the schedule on time: never two sends of
+    an entry within ``BURST`` s, and every occurrence is sent or stood for, once."""
+    cluster = cluster_factory(lease_ttl=TTL, schedule=SCHEDULE)
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(sends_after(cluster, 4, 0.0), timeout=60, what="4 runs per entry")
+    killed_at = next(p for p in cluster.procs if p.name == "beat-a").kill()
+    cluster.wait_runs(
+        sends_after(cluster, 6, killed_at, by="beat-b"), timeout=60, what="6 sends after takeover"
+    )
+    for proc in cluster.procs[1:]:
+        proc.kill()
+    runs = cluster.drain()
+
+    problems = occurrence_problems(runs, ENTRIES)
+    assert not problems, "\n".join(problems)
+    assert not bursts(runs, killed_at), f"burst after the takeover: {bursts(runs, killed_at)}"
+    stood_for = coalesced(runs, killed_at)
+    # TTL 3 s at 0.5 s: at least 4 occurrences fell due with nobody leading.
+    assert min(stood_for.values()) >= 4, f"no coalesced late send: {stood_for}"
+    logs = cluster.procs[2].log()
+    assert "standing for" in logs
+
+
+# -- item 2: masters outage ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("winner", ["old-leader", "standby"])
+def test_after_a_masters_outage_either_leader_sends_one_late_send(
+    cluster_factory: Callable[..., Cluster], winner: str
+) -> None:
+    """All masters paused for 2 x TTL (every lease runs out). Whichever beat leads
+    afterwards (forced: the other one is SIGSTOPped until the winner leads) sends one
+    late send per entry standing for the outage, never a burst and never nothing."""
+    cluster = cluster_factory(lease_ttl=TTL, schedule=SCHEDULE)
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(sends_after(cluster, 4, 0.0), timeout=60, what="4 runs per entry")
+    loser = cluster.procs[2] if winner == "old-leader" else cluster.procs[1]
+    winner_name = "beat-a" if winner == "old-leader" else "beat-b"
+    masters: Masters = cluster.masters_servers  # type: ignore[attr-defined]
+    paused_at = now()
+    for server in masters:
+        server.pause()
+    loser.pause()
+    observe(2 * TTL)
+    for server in masters:
+        server.resume()
+    resumed_at = now()
+    cluster.wait_runs(
+        sends_after(cluster, 3, resumed_at, by=winner_name),
+        timeout=40,
+        what=f"3 sends by {winner_name} after the outage",
+    )
+    loser.resume()
+    observe(2)
+    for proc in cluster.procs[1:]:
+        proc.kill()
+    runs = cluster.drain()
+
+    problems = occurrence_problems(runs, ENTRIES)
+    assert not problems, "\n".join(problems)
+    assert not bursts(runs, paused_at), f"burst after the outage: {bursts(runs, paused_at)}"
+    stood_for = coalesced(runs, resumed_at)
+    # 6 s at 0.5 s: about 12 occurrences fell due while no claim could be made.
+    assert min(stood_for.values()) >= 8, f"the outage was not caught up as one: {stood_for}"
+
+
+# -- item 3: apps sharing masters -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_apps_sharing_masters_and_prefix_each_send_their_entry(
+    cluster_factory: Callable[..., Cluster], master_factory: Callable[..., RedisServer]
+) -> None:
+    """Apps ``billing`` and ``reports`` share masters and key prefix, each with an entry
+    named ``cleanup``: each app's beat sends its own (claims, anchors and leader lease
+    are namespaced by the app's main name)."""
+    schedule: dict[str, float | str] = {"cleanup": 1.0}
+    billing = cluster_factory(lease_ttl=TTL, schedule=schedule, app_name="billing")
+    reports = cluster_factory(
+        lease_ttl=TTL, schedule=schedule, app_name="reports", broker_url=master_factory().url
+    )
+    for cluster in (billing, reports):
+        cluster.worker()
+        cluster.beat("beat").wait_log(LEADER_LINE, timeout=60)
+    for cluster in (billing, reports):
+        cluster.wait_runs(
+            lambda runs: interval_counts(runs, ["cleanup"])["cleanup"] >= 4,
+            timeout=30,
+            what=f"4 cleanup runs of {cluster.app_name}",
+        )
+    for cluster in (billing, reports):
+        cluster.procs[1].kill()
+        runs = cluster.drain()
+        problems = occurrence_problems(runs, ["cleanup"])
+        assert not problems, "\n".join(problems)
+
+
+# -- item 4: explicit masters, loud standby, opt-out ------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("command", ["beat", "worker"])
+def test_non_redis_broker_without_masters_is_refused_at_start(
+    cluster_factory: Callable[..., Cluster], command: str
+) -> None:
+    """An AMQP app that never set ``redlock_redis_urls`` stops at start, naming it."""
+    cluster = cluster_factory(
+        broker_url="amqp://guest:guest@127.0.0.1:1//", masters=Masters(), schedule={"e": 1.0}
+    )
+    proc = cluster.beat("beat") if command == "beat" else cluster.worker("worker")
+    try:
+        proc.popen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} kept running:\n{proc.tail()}")
+    assert proc.popen.returncode != 0
+    assert "redlock_redis_urls" in proc.log(), proc.tail()
+    assert "not Redis" in proc.log(), proc.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_no_quorum_is_loud_and_an_opted_out_entry_still_runs(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """With 2 of 3 masters down no beat can lead: nothing guarded is sent, an ERROR and
+    ``beat_no_leader`` come once per lease period, ``beat_status`` says unreachable, and
+    an entry with ``options={"redlock_beat": False}`` is sent all the same."""
+    from celery import Celery
+
+    from celery_redlock.beat import beat_status
+
+    cluster = cluster_factory(
+        lease_ttl=TTL, schedule={"guarded": FAST, "free": FAST}, opt_out=["free"]
+    )
+    masters: Masters = cluster.masters_servers  # type: ignore[attr-defined]
+    masters[0].kill()
+    masters[1].kill()
+    cluster.worker()
+    started = now()
+    beat = cluster.beat("beat")
+    beat.wait_log(r"NO LEADER", timeout=30)
+    cluster.wait_runs(
+        lambda runs: len(cluster.records("beat_no_leader")) >= 3,
+        timeout=3 * TTL + 4 * SLACK,
+        what="three beat_no_leader signals",
+    )
+    beat.kill()
+    runs = cluster.drain()
+    alarms = cluster.records("beat_no_leader")
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(alarms)]
+    assert all(TTL - 0.5 <= g <= TTL + SLACK for g in gaps), gaps
+    assert len(beat.log_times(r"ERROR.*NO LEADER")) >= 3
+    assert not [r for r in runs if r["kind"] == "guarded"], "sent without a quorum"
+    free = [r for r in runs if r["kind"] == "free" and r["sent_at"] > started]
+    assert len(free) >= 3, "the opted-out entry was not sent"
+    assert all(r["occurrence"] is None for r in free)
+
+    app = Celery("beatproj", set_as_current=False)
+    app.conf.redlock_redis_urls = masters.urls
+    app.conf.redlock_node_timeout = 0.2
+    state = beat_status(app)
+    assert state["state"] == "unreachable", state
+    assert state["key"] == "beat:leader:beatproj"
+
+
+# -- item 7: clock skew ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("leader_offset", [+2.5, -2.5], ids=["leader-ahead", "leader-behind"])
+def test_clock_skew_near_a_minute_boundary_sends_each_crontab_occurrence_once(
+    cluster_factory: Callable[..., Cluster], leader_offset: float
+) -> None:
+    """Beats whose wall clocks differ by 5 s; the leader is killed 1 s before a minute
+    boundary (true time). Crontab occurrences are named by the minute on the sender's
+    clock: each is sent once (never twice, never lost), by whichever beat's clock reaches
+    the minute first while it leads; the skew shifts a send by the leader's offset."""
+    cluster = cluster_factory(lease_ttl=TTL, schedule={"minutely": "*"})
+    cluster.clock_offsets = {"beat-a": leader_offset, "beat-b": -leader_offset}
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    boundary = math.ceil((now() + 8) / 60) * 60
+    observe(max(0.0, boundary - 1.0 - now()))
+    cluster.procs[1].kill()
+    # The standby takes over within TTL + poll; then two more minutes go by.
+    cluster.wait_runs(
+        lambda runs: any(r["sent_at"] > boundary + 62 for r in runs),
+        timeout=150,
+        what="a send after the next minute",
+    )
+    cluster.procs[2].kill()
+    runs = cluster.drain()
+    problems = occurrence_problems(runs, ())
+    assert not problems, "\n".join(problems)
+    minutes = sorted(r["occurrence"] for r in runs)
+    expected = [
+        f"minutely@{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime(boundary + 60 * k))}"
+        for k in (0, 1)
+    ]
+    for occurrence in expected:
+        assert occurrence in minutes, f"{occurrence} lost: sent {minutes}"
