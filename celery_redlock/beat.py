@@ -173,11 +173,16 @@ class BeatLeader:
         self._set_status("leader")
 
     def _no_leader(self, exc: QuorumUnavailable) -> None:
-        """No quorum, no leader, no send (never a double fire), but loudly: an ERROR and
+        """No quorum, no leader, no send (never a double fire), but loudly: once it has
+        lasted a lease period (every lease ran out: no beat leads), an ERROR and
         ``beat_no_leader`` once per lease period while it lasts."""
         now = time.monotonic()
         if self.no_leader_since is None:
             self.no_leader_since = now
+            logger.warning("beat: cannot reach a quorum to lead: %s", exc)
+        # A blip shorter than a lease period leaves the leader leading: no alarm yet.
+        if now - self.no_leader_since < self.lease_ttl:
+            return
         if now - self._no_leader_logged < self.lease_ttl:
             return
         self._no_leader_logged = now
