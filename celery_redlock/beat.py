@@ -48,7 +48,7 @@ from celery.utils import uuid
 
 from . import signals
 from .client import redlock_for
-from .exceptions import LockContended, QuorumUnavailable, RedlockError
+from .exceptions import ImproperlyConfigured, LockContended, QuorumUnavailable, RedlockError
 from .lock import Lease, limits
 from .settings import get_settings
 from .task import drop_held_duplicate
@@ -392,8 +392,12 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     carried: dict[str, tuple[int, list[str]]] = {}
 
     def reserve(self: Any, entry: Any) -> Any:
+        model = getattr(entry, "model", None)
+        count = getattr(model, "total_run_count", None)
         upcoming = original_reserve(entry)
         reserved[entry.name] = upcoming
+        if not leader.leading and not _opted_out(entry):
+            _keep_local(self, entry.name, model, count)
         return upcoming
 
     def _when(self: Any, entry: Any, next_time_to_run: Any, *args: Any, **kwargs: Any) -> Any:
@@ -589,11 +593,11 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             return
         for entry in entries:
             try:
-                _catch_up_entry(entry)
+                _catch_up_entry(entry, scheduler)
             except RedlockError as exc:
                 _not_sent(entry.name, None, f"cannot catch it up: {exc}")
 
-    def _catch_up_entry(entry: Any) -> None:
+    def _catch_up_entry(entry: Any, scheduler: Any) -> None:
         if _opted_out(entry):
             return
         name = entry.name
@@ -630,6 +634,8 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                     carried[name] = (latest, missed)
                     return
             _deliver(entry, None, missed, None)
+            if not _numbered(entry.schedule) and mode != "none":
+                _record_late_send(scheduler, entry)
         elif other is not None and other == candidates[0] and mode != "none":
             # The old leader claimed the latest one: it may have died before publishing.
             task_id = _claim_run(name, other)
@@ -660,6 +666,43 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     scheduler.reserve = types.MethodType(reserve, scheduler)
     scheduler._when = types.MethodType(_when, scheduler)
     scheduler.tick = types.MethodType(tick, scheduler)
+
+
+def _keep_local(scheduler: Any, name: str, model: Any, count: Any) -> None:
+    """A beat that did not send an entry keeps its reservation to itself.
+
+    Celery reserves an entry (``last_run_at``, ``total_run_count``) before
+    ``apply_entry``. django-celery-beat's DatabaseScheduler writes that to the shared
+    database, and disables a ``one_off`` task once its count is above 0: a standby (or a
+    beat without a quorum) would advance every task's counters and disable a one-off
+    task that nobody sent. So for such a beat the count goes back and the entry is not
+    written; its own ``last_run_at`` still moves, in memory, so it does not tick again.
+    """
+    dirty = getattr(scheduler, "_dirty", None)
+    if isinstance(dirty, set):
+        dirty.discard(name)
+    if model is not None and isinstance(count, int):
+        model.total_run_count = count
+
+
+def _record_late_send(scheduler: Any, entry: Any) -> None:
+    """A late send of a database entry counts as its run (a ``one_off`` is then done)."""
+    model = getattr(entry, "model", None)
+    dirty = getattr(scheduler, "_dirty", None)
+    if model is None or not isinstance(dirty, set):
+        return
+    try:
+        model.total_run_count = int(model.total_run_count) + 1
+        model.last_run_at = entry.default_now()
+        dirty.add(entry.name)
+        if getattr(model, "one_off", False):
+            # Its scheduler does not look at it again (a clocked entry is checked once),
+            # so disable it here, as django-celery-beat's is_due would.
+            model.enabled = False
+            model.no_changes = False
+            model.save()
+    except Exception:
+        logger.debug("beat: could not record the late send of %s", entry.name, exc_info=True)
 
 
 def _wall() -> float:
@@ -716,6 +759,25 @@ def _align(scheduler: Any, entry: Any, aligned: float, upcoming: Any = None) -> 
         logger.debug("beat: could not align %s", entry.name, exc_info=True)
 
 
+def refuse_scheduler(scheduler: Any) -> None:
+    """Refuse schedulers whose own locking fights beat leadership.
+
+    celery-redbeat's ``RedBeatScheduler`` takes a lock of its own (one beat ticks) and
+    keeps each entry's due time in Redis, where every beat's reservation lands: with our
+    leader on top, the beat holding RedBeat's lock may be a standby here and nobody sends.
+
+    :raises ImproperlyConfigured: naming ``redlock_beat_leader`` and what to do.
+    """
+    cls = type(scheduler)
+    if any(k.__module__.split(".")[0] == "redbeat" for k in cls.__mro__):
+        raise ImproperlyConfigured(
+            f"beat scheduler {cls.__module__}.{cls.__name__} (celery-redbeat) has its own "
+            "beat lock and cannot run under celery-redlock's beat leadership; set "
+            "redlock_beat_leader = False (RedBeat's lock then keeps one beat sending; "
+            "workers do not drop duplicate occurrences), or use another scheduler"
+        )
+
+
 def on_beat_init(service: Any) -> BeatLeader | None:
     """Set up leadership for the beat ``service`` (called from the beat_init handler)."""
     app = service.app
@@ -723,6 +785,7 @@ def on_beat_init(service: Any) -> BeatLeader | None:
     if not settings.beat_leader:
         logger.info("beat: redlock_beat_leader is off; every beat sends (no claims)")
         return None
+    refuse_scheduler(service.scheduler)
     leader = BeatLeader(app, lease_ttl=settings.beat_lease_ttl)
     guard_scheduler(service.scheduler, leader)
     leader.start()

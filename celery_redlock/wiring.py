@@ -153,12 +153,12 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or app not in _installed:
         return
+    from .beat import on_beat_init
+
     try:
         validate_app(app)
+        sender._redlock_leader = on_beat_init(sender)
     except ImproperlyConfigured as exc:
         logger.critical("celery-redlock: %s", exc)
         # Signal.send swallows Exception subclasses; SystemExit stops beat at start.
         raise SystemExit(f"celery-redlock: {exc}") from exc
-    from .beat import on_beat_init
-
-    sender._redlock_leader = on_beat_init(sender)

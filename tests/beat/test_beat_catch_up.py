@@ -14,6 +14,7 @@ Timing slack as in ``test_beat.py``: the machine may be loaded.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import subprocess
@@ -236,8 +237,6 @@ def test_no_quorum_is_loud_and_an_opted_out_entry_still_runs(
     an entry with ``options={"redlock_beat": False}`` is sent all the same."""
     from celery import Celery
 
-    from celery_redlock.beat import beat_status
-
     cluster = cluster_factory(
         lease_ttl=TTL, schedule={"guarded": FAST, "free": FAST}, opt_out=["free"]
     )
@@ -263,6 +262,8 @@ def test_no_quorum_is_loud_and_an_opted_out_entry_still_runs(
     free = [r for r in runs if r["kind"] == "free" and r["sent_at"] > started]
     assert len(free) >= 3, "the opted-out entry was not sent"
     assert all(r["occurrence"] is None for r in free)
+
+    from celery_redlock.beat import beat_status
 
     app = Celery("beatproj", set_as_current=False)
     app.conf.redlock_redis_urls = masters.urls
@@ -376,3 +377,63 @@ def test_one_master_delayed_200ms_does_not_stall_the_consumer(
     assert slow > 10, f"{slow:.1f} msg/s: the consumer waits on the slow master"
     runs = cluster.runs()
     assert len(runs) == 2 * count, "a duplicate copy ran or a message was lost"
+
+
+# -- item 5: django-celery-beat's DatabaseScheduler ------------------------------------------
+
+
+def _db_rows(cluster: Cluster) -> dict[str, tuple[int, bool]]:
+    """name -> (total_run_count, enabled) from the sqlite file the beats share."""
+    import sqlite3
+
+    assert cluster.django_db is not None
+    with contextlib.closing(sqlite3.connect(cluster.django_db, timeout=30)) as conn:
+        rows = conn.execute(
+            "SELECT name, total_run_count, enabled FROM django_celery_beat_periodictask"
+        ).fetchall()
+    return {name: (count, bool(enabled)) for name, count, enabled in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(180)
+def test_database_scheduler_one_off_due_with_no_leader_is_sent_once_later(
+    cluster_factory: Callable[..., Cluster], tmp_path: Any
+) -> None:
+    """DatabaseScheduler, two beats. A ``one_off`` task falls due while 2 of 3 masters are
+    paused (no beat can lead): Celery reserves it (count 1) before ``apply_entry``, and
+    django-celery-beat then disables it, so it was never sent. Now a beat that did not
+    send keeps its reservation local: the task is sent once, late, when a leader is back,
+    and then disabled; the standby's reservations do not inflate ``total_run_count``."""
+    cluster = cluster_factory(lease_ttl=TTL, django_db=tmp_path / "beat.sqlite3")
+    due = now() + 25
+    cluster.setup_django_db("db-a=1", f"once=once:{due}")
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(lambda runs: sum(r["kind"] == "db-a" for r in runs) >= 3, 60, "3 db-a runs")
+    masters: Masters = cluster.masters_servers  # type: ignore[attr-defined]
+    observe(max(0.0, due - 4 - now()))
+    for server in masters[:2]:
+        server.pause()
+    observe(max(0.0, due + 3 - now()))  # it fell due meanwhile (both beats' clocks)
+    for server in masters[:2]:
+        server.resume()
+    runs = cluster.wait_runs(
+        lambda runs: any(r["kind"] == "once" for r in runs), 40, "the one-off task sent"
+    )
+    cluster.wait_runs(
+        lambda runs: sum(r["kind"] == "db-a" and r["sent_at"] > due + 4 for r in runs) >= 5,
+        40,
+        "5 db-a runs after",
+    )
+    for proc in cluster.procs[1:]:
+        proc.kill()
+    runs = cluster.drain()
+    assert [r["kind"] for r in runs].count("once") == 1, "one-off not sent exactly once"
+    problems = occurrence_problems(runs, ())
+    assert not problems, "\n".join(problems)
+    rows = _db_rows(cluster)
+    assert rows["once"][1] is False, "the one-off task is still enabled after its run"
+    sent = sum(r["kind"] == "db-a" for r in runs)
+    # Each beat counting its own reservations would come to about twice the sends.
+    assert rows["db-a"][0] <= sent + 3, f"total_run_count {rows['db-a'][0]} for {sent} sends"
