@@ -437,3 +437,21 @@ def test_database_scheduler_one_off_due_with_no_leader_is_sent_once_later(
     sent = sum(r["kind"] == "db-a" for r in runs)
     # Each beat counting its own reservations would come to about twice the sends.
     assert rows["db-a"][0] <= sent + 3, f"total_run_count {rows['db-a'][0]} for {sent} sends"
+
+
+@pytest.mark.timeout(90)
+def test_redbeat_scheduler_is_refused_at_beat_start(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """celery-redbeat's RedBeatScheduler has its own beat lock: beat stops at start with a
+    message naming it and ``redlock_beat_leader``, instead of two locks fighting."""
+    pytest.importorskip("redbeat")
+    cluster = cluster_factory(lease_ttl=TTL, schedule={"e": 1.0})
+    proc = cluster.beat("beat", "-S", "redbeat.RedBeatScheduler")
+    try:
+        proc.popen.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"beat kept running:\n{proc.tail()}")
+    assert proc.popen.returncode != 0
+    assert "celery-redbeat" in proc.log(), proc.tail()
+    assert "redlock_beat_leader" in proc.log(), proc.tail()
