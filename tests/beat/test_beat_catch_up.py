@@ -455,3 +455,61 @@ def test_redbeat_scheduler_is_refused_at_beat_start(
     assert proc.popen.returncode != 0
     assert "celery-redbeat" in proc.log(), proc.tail()
     assert "redlock_beat_leader" in proc.log(), proc.tail()
+
+
+# -- redlock_beat_catch_up: the three modes, in-process ---------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["one", "all", "none"])
+def test_catch_up_modes_at_a_takeover(masters: Masters, tmp_path: Any, mode: str) -> None:
+    """A dead leader sent ``e#0..e#4`` of a 1 s entry anchored 10.3 s ago; a beat that now
+    leads finds ``e#5..e#10`` unsent. ``"one"``: ``e#10`` at once, standing for 6;
+    ``"all"``: ``e#5..e#10`` in order; ``"none"``: nothing until the next on-time send."""
+    from celery import Celery
+    from celery import signals as celery_signals
+    from celery.beat import Service
+
+    import celery_redlock
+    from celery_redlock import Redlock
+    from celery_redlock.beat import anchor_key, occurrence_key
+
+    app = Celery("modes", broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=3,
+        redlock_beat_catch_up=mode,
+        beat_schedule={"e": {"task": "x.y", "schedule": 1.0}},
+    )
+    celery_redlock.install(app)
+    # 10.3 s: e#10 fell due 0.3 s ago, e#11 is 0.7 s away (more than the quarter interval
+    # under which a takeover leaves the late send to the next on-time one)
+    anchor = now() - 10.3
+    with contextlib.closing(Redlock(masters.urls)) as rl:
+        rl.claim(anchor_key("modes", "e"), "anchor:1", f"{anchor:.6f}", 3600)
+        for index in range(5):
+            rl.claim(occurrence_key("modes", f"e#{index}"), "sent", "dead-leader", 3600)
+            rl.claim(occurrence_key("modes", f"e#{index}"), "run", f"task-{index}", 3600)
+    published: list[tuple[str, Any]] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append((headers["redlock_occurrence"], headers.get("redlock_catch_up")))
+
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        service.scheduler.tick()  # the first tick of the term runs the catch-up
+        at_takeover = list(published)
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        service._redlock_leader.stop()
+        service.scheduler.close()
+    expected = {
+        "one": [("e#10", 6)],
+        "all": [(f"e#{i}", None) for i in range(5, 11)],
+        "none": [],
+    }[mode]
+    assert at_takeover == expected
