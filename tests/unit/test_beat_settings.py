@@ -59,3 +59,26 @@ def test_redis_broker_or_none_keeps_the_default(broker: str | None) -> None:
 def test_non_redis_broker_with_masters_set_is_fine() -> None:
     settings = get_settings(_app("amqp://h//", redlock_redis_urls=["redis://m:1/0"]))
     assert settings.redis_urls == ("redis://m:1/0",)
+
+
+def test_beat_key_names_are_namespaced_by_app_and_anchors_recognised() -> None:
+    from celery_redlock.beat import (
+        anchor_key,
+        beat_namespace,
+        is_anchor_key,
+        leader_key,
+        occurrence_key,
+    )
+    from celery_redlock.keys import redis_key
+
+    app = _app()
+    assert beat_namespace(app) == "t"
+    assert beat_namespace(Celery(set_as_current=False)) == "celery"
+    assert occurrence_key("t", "cleanup#4") != occurrence_key("u", "cleanup#4")
+    assert leader_key("t") == "beat:leader:t"
+    anchor = redis_key("redlock", anchor_key("t", "cleanup"), "anchor:60")
+    assert anchor == "redlock:{beat:t:cleanup}:anchor:60"
+    assert is_anchor_key(anchor)
+    assert is_anchor_key(b"redlock:{beat:cleanup}:anchor:60")  # the old layout
+    assert not is_anchor_key(redis_key("redlock", occurrence_key("t", "cleanup#4"), "sent"))
+    assert not is_anchor_key("redlock:{report:42}:anchor:1")
