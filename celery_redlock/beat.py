@@ -11,7 +11,13 @@ the quorum; only a fresh claim is sent, so two beats that both believe they lead
 for a moment still send it once. Interval entries are numbered from an anchor
 stored on the quorum, not from each beat's local ``last_run_at``, and the local
 schedule is realigned to that anchor after each send; crontab and other entries
-are identified by the minute they are due.
+are identified by the minute they are due. Every key is namespaced by the app's main
+name (:func:`beat_namespace`), so apps sharing masters never share claims.
+
+After a takeover (or an outage, or claims that failed), the missed occurrences of
+an entry are found by walking the claims back from the latest one due, the same
+window whichever beat leads, and go out as ``redlock_beat_catch_up`` says: by
+default one late send standing for all of them, never a burst.
 
 Timeline of a failover (lease TTL 10 s)::
 
