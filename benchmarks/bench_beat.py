@@ -328,7 +328,7 @@ def random_kill_run(
         "cron_duplicates": len(cron) - len(set(cron)),
         "cron_missed": len(cron_expected - set(cron)),
         "cron_expected": len(cron_expected),
-        "catch_up": logs.count("nobody sent it when it fell due"),
+        "catch_up": logs.count("nobody sent it when it fell due") + logs.count("standing for"),
         "refused": logs.count("already sent by"),
         "worker_dropped": worker_log.count("already ran; dropped"),
         "task_id_dups": sum(1 for p in occurrence_problems(runs, ()) if p.startswith("task id")),
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *table(["entry", "occurrences", "duplicates", "missed"], rows),
         "",
-        "occurrences sent late by catch-up (after a takeover or a failed claim): "
+        "coalesced or late sends by catch-up (after a takeover or a failed claim): "
         f"{r['catch_up']}; claims refused (already sent): {r['refused']}; "
         "duplicates dropped by the worker: "
         f"{r['worker_dropped']}; task ids run twice: {r['task_id_dups']}",
