@@ -513,3 +513,38 @@ def test_catch_up_modes_at_a_takeover(masters: Masters, tmp_path: Any, mode: str
         "none": [],
     }[mode]
     assert at_takeover == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_database_scheduler_interval_edited_while_running(
+    cluster_factory: Callable[..., Cluster], tmp_path: Any
+) -> None:
+    """DatabaseScheduler, two beats; ``db-a`` goes from every 1 s to every 3 s while they
+    run (as an admin save does: the PeriodicTask row changes and PeriodicTasks.last_update
+    moves, so both beats reload). No occurrence is sent twice, and after the reload the
+    leader sends on the new interval (numbered from a new anchor for 3 s)."""
+    cluster = cluster_factory(lease_ttl=TTL, django_db=tmp_path / "beat.sqlite3")
+    cluster.setup_django_db("db-a=1")
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(lambda runs: sum(r["kind"] == "db-a" for r in runs) >= 4, 60, "4 runs at 1 s")
+    edited_at = now()
+    cluster.setup_django_db("db-a=3")
+    cluster.wait_runs(
+        lambda runs: sum(r["kind"] == "db-a" and r["sent_at"] > edited_at + 8 for r in runs) >= 4,
+        60,
+        "4 runs at 3 s after the edit",
+    )
+    for proc in cluster.procs[1:]:
+        proc.kill()
+    runs = cluster.drain()
+    problems = occurrence_problems(runs, ())
+    assert not problems, "\n".join(problems)
+    settled = sorted(
+        r["sent_at"] for r in runs if r["kind"] == "db-a" and r["sent_at"] > edited_at + 8
+    )
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(settled)]
+    assert all(2.5 < g < 3.5 + SLACK for g in gaps), f"not every 3 s after the edit: {gaps}"
+    new = {r["occurrence"].rpartition("#")[0] for r in runs if r["sent_at"] > edited_at + 8}
+    assert new == {"db-a"}
