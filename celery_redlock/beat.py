@@ -11,7 +11,13 @@ the quorum; only a fresh claim is sent, so two beats that both believe they lead
 for a moment still send it once. Interval entries are numbered from an anchor
 stored on the quorum, not from each beat's local ``last_run_at``, and the local
 schedule is realigned to that anchor after each send; crontab and other entries
-are identified by the minute they are due.
+are identified by the minute they are due. Every key is namespaced by the app's main
+name (:func:`beat_namespace`), so apps sharing masters never share claims.
+
+After a takeover (or an outage, or claims that failed), the missed occurrences of
+an entry are found by walking the claims back from the latest one due, the same
+window whichever beat leads, and go out as ``redlock_beat_catch_up`` says: by
+default one late send standing for all of them, never a burst.
 
 Timeline of a failover (lease TTL 10 s)::
 
@@ -48,22 +54,41 @@ from celery.utils import uuid
 
 from . import signals
 from .client import redlock_for
-from .exceptions import LockContended, QuorumUnavailable, RedlockError
+from .exceptions import ImproperlyConfigured, LockContended, QuorumUnavailable, RedlockError
 from .lock import Lease, limits
 from .redact import guard
 from .settings import get_settings
 from .task import drop_held_duplicate
 
-__all__ = ["OCCURRENCE_HEADER", "BeatLeader", "DropDuplicateOccurrences", "guard_scheduler"]
+__all__ = [
+    "ANCHOR_SUFFIX",
+    "CATCH_UP_HEADER",
+    "OCCURRENCE_HEADER",
+    "OPT_OUT_OPTION",
+    "BeatLeader",
+    "DropDuplicateOccurrences",
+    "anchor_key",
+    "beat_namespace",
+    "beat_status",
+    "guard_scheduler",
+    "is_anchor_key",
+    "occurrence_key",
+]
 
 logger = guard(logging.getLogger("celery_redlock.beat"))  # see celery_redlock.redact
 
 #: Message header carrying the occurrence a beat message belongs to.
 OCCURRENCE_HEADER = "redlock_occurrence"
+#: Header of a coalesced late send: how many occurrences it stands for (absent: one).
+CATCH_UP_HEADER = "redlock_catch_up"
+#: Entry option (``options={"redlock_beat": False}``): every beat sends this entry on its
+#: own schedule, with no leader and no claims (as plain Celery beat; N beats, N sends).
+OPT_OUT_OPTION = "redlock_beat"
 CLAIM_SUFFIX = "sent"
 RUN_SUFFIX = "run"
 ANCHOR_SUFFIX = "anchor"
-#: At most this many missed interval occurrences are sent after a takeover.
+#: At most this many missed occurrences of one entry are looked back over (and, with
+#: ``redlock_beat_catch_up = "all"``, sent) after a takeover or an outage.
 MAX_CATCH_UP = 100
 #: Seconds by which a tick may come early and still name its slot (the aligned
 #: ``last_run_at`` is rounded to the microsecond).
@@ -81,17 +106,18 @@ class BeatLeader:
         self.app = app
         self.redlock = redlock_for(app)
         self.lease_ttl = lease_ttl
-        self.key = f"beat:leader:{app.main or 'celery'}"
+        self.namespace = beat_namespace(app)
+        self.key = leader_key(self.namespace)
         # Unique per process even where hostname and pid repeat (containers: pid 1), since
         # a claim holding our identity is taken for ours.
         self.identity = identity or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.lease: Lease | None = None
         self.status = "standby"
-        #: wall time we last saw another leader alive (our acquire was contended);
-        #: after a takeover, interval occurrences due since then are caught up
-        self.other_leader_seen: float | None = None
         #: bumped on each takeover, so each entry catches up once per takeover
         self.term = 0
+        #: monotonic time since which no beat could lead (quorum unreachable), or None
+        self.no_leader_since: float | None = None
+        self._no_leader_logged = -math.inf
         self.poll_interval = min(1.0, lease_ttl / 10)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,7 +157,9 @@ class BeatLeader:
         if previous != status:
             log = logger.warning if status == "standby" else logger.info
             log("beat: %s -> %s (%s)", previous, status, self.identity)
-            signals.beat_status.send(sender=self, status=status, previous=previous)
+            signals.beat_status.send(
+                sender=self, status=status, previous=previous, identity=self.identity
+            )
 
     def _try_lead(self) -> None:
         try:
@@ -142,15 +170,39 @@ class BeatLeader:
                 meta={"beat": self.identity},
             )
         except LockContended:
-            self.other_leader_seen = time.time()  # noqa: TID251 - compared with due times
+            self.no_leader_since = None  # somebody leads
             return
         except QuorumUnavailable as exc:
-            logger.warning("beat: cannot reach a quorum to lead: %s", exc)
+            self._no_leader(exc)
             return
+        self.no_leader_since = None
         lease.on_lost(lambda lost: self._set_status("standby"))
         self.lease = lease
         self.term += 1
         self._set_status("leader")
+
+    def _no_leader(self, exc: QuorumUnavailable) -> None:
+        """No quorum, no leader, no send (never a double fire), but loudly: once it has
+        lasted a lease period (every lease ran out: no beat leads), an ERROR and
+        ``beat_no_leader`` once per lease period while it lasts."""
+        now = time.monotonic()
+        if self.no_leader_since is None:
+            self.no_leader_since = now
+            logger.warning("beat: cannot reach a quorum to lead: %s", exc)
+        # A blip shorter than a lease period leaves the leader leading: no alarm yet.
+        if now - self.no_leader_since < self.lease_ttl:
+            return
+        if now - self._no_leader_logged < self.lease_ttl:
+            return
+        self._no_leader_logged = now
+        down_for = now - self.no_leader_since
+        logger.error(
+            "beat: NO LEADER for %.0f s: cannot reach a quorum of the masters, so no beat "
+            "entry is sent (entries with options={'redlock_beat': False} excepted): %s",
+            down_for,
+            exc,
+        )
+        signals.beat_no_leader.send(sender=self, reason=str(exc), down_for=down_for)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_interval):
@@ -159,6 +211,49 @@ class BeatLeader:
             if self.status == "leader":
                 self._set_status("standby")
             self._try_lead()
+
+
+def leader_key(namespace: str) -> str:
+    """The leader lease's key (before prefix) of the beats of ``namespace``."""
+    return f"beat:leader:{namespace}"
+
+
+def beat_status(app: Any) -> dict[str, Any]:
+    """Beat leadership of ``app`` as the masters see it (for ``celery redlock check``).
+
+    Returns ``{"namespace", "key", "state", "leader", "detail"}``; ``state`` is ``"led"``
+    (a beat holds the leader lease on a quorum), ``"no leader"`` (none does: no beat runs,
+    or one is taking over) or ``"unreachable"`` (too few masters answer: no beat can lead,
+    so no guarded entry is sent); ``leader`` is the leading beat's identity
+    (``host:pid:random``, as its log lines and ``beat_status`` signal name it), else None.
+    Never raises for unreachable masters.
+    """
+    namespace = beat_namespace(app)
+    key = leader_key(namespace)
+    redlock = redlock_for(app)
+    try:
+        led = redlock.locked(key)
+        found = redlock.holder(key, ("beat",)) if led else None
+    except QuorumUnavailable as exc:
+        return {
+            "namespace": namespace,
+            "key": key,
+            "state": "unreachable",
+            "leader": None,
+            "detail": str(exc),
+        }
+    leader = found[1]["beat"] or None if found is not None else None
+    if led:
+        detail = f"beat {leader} holds the leader lease" if leader else "a beat leads"
+    else:
+        detail = "no beat holds the leader lease: no beat runs, or a takeover is under way"
+    return {
+        "namespace": namespace,
+        "key": key,
+        "state": "led" if led else "no leader",
+        "leader": leader,
+        "detail": detail,
+    }
 
 
 def _guard_window(lease_ttl: float) -> float:
@@ -173,8 +268,42 @@ def _guard_window(lease_ttl: float) -> float:
     return min(limits.MAX_TTL, 4 * (lease_ttl + 2 * poll_interval))
 
 
+def beat_namespace(app: Any) -> str:
+    """The namespace of every beat key of ``app``: its ``main`` name (``Celery("proj")``).
+
+    Apps sharing masters and a key prefix never share leader leases, occurrence claims
+    or anchors as long as their names differ.
+    """
+    return str(getattr(app, "main", None) or "celery")
+
+
+def occurrence_key(namespace: str, occurrence: str) -> str:
+    """The claim key (before prefix and suffix) of ``occurrence`` in ``namespace``."""
+    return f"beat:{namespace}:{occurrence}"
+
+
+def anchor_key(namespace: str, entry_name: str) -> str:
+    """The key (before prefix) whose ``anchor:<interval>`` companions number an entry.
+
+    The Redis key is ``<prefix>:{beat:<namespace>:<entry>}:anchor:<interval seconds>``;
+    :func:`is_anchor_key` recognises one (``celery redlock clear --all`` keeps them).
+    """
+    return f"beat:{namespace}:{entry_name}"
+
+
+def is_anchor_key(name: str | bytes) -> bool:
+    """Whether the Redis key ``name`` is an interval entry's anchor (new or old layout)."""
+    text = name.decode() if isinstance(name, bytes) else name
+    head, sep, suffix = text.rpartition("}:")
+    return bool(sep) and "{beat:" in head and suffix.startswith(f"{ANCHOR_SUFFIX}:")
+
+
 def occurrence_of(
-    redlock: Any, entry: Any, now: dt.datetime, anchors: dict[str, tuple[float, float]]
+    redlock: Any,
+    entry: Any,
+    now: dt.datetime,
+    anchors: dict[str, tuple[float, float]],
+    namespace: str = "celery",
 ) -> tuple[str, float | None]:
     """Identify the occurrence of ``entry`` due at ``now``.
 
@@ -186,18 +315,7 @@ def occurrence_of(
     if _numbered(schedule):
         interval = schedule.run_every.total_seconds()
         if interval > 0:
-            cached = anchors.get(entry.name)
-            if cached is None or cached[1] != interval:
-                holder, _ = redlock.claim(
-                    f"beat:{entry.name}",
-                    f"{ANCHOR_SUFFIX}:{interval:g}",
-                    f"{timestamp:.6f}",
-                    max(ANCHOR_TTL, 100 * interval),
-                    guard_for=0,
-                )
-                cached = (float(holder), interval)
-                anchors[entry.name] = cached
-            anchor = cached[0]
+            anchor = _anchor(redlock, entry.name, interval, timestamp, anchors, namespace)[0]
             # The latest slot due at ``now``: Celery never runs an entry early, only late,
             # so a tick late by up to a whole interval still names the slot that fell due
             # (round() would skip one once a loaded beat is half an interval late). The
@@ -205,6 +323,30 @@ def occurrence_of(
             index = math.floor((timestamp - anchor + ALIGN_TOLERANCE) / interval)
             return f"{entry.name}#{index}", anchor + index * interval
     return _minute_occurrence(entry.name, timestamp), None
+
+
+def _anchor(
+    redlock: Any,
+    name: str,
+    interval: float,
+    timestamp: float,
+    anchors: dict[str, tuple[float, float]],
+    namespace: str,
+) -> tuple[float, bool]:
+    """The entry's anchor on the quorum (claimed at ``timestamp`` if none), and whether
+    this call created it."""
+    cached = anchors.get(name)
+    if cached is not None and cached[1] == interval:
+        return cached[0], False
+    holder, fresh = redlock.claim(
+        anchor_key(namespace, name),
+        f"{ANCHOR_SUFFIX}:{interval:g}",
+        f"{timestamp:.6f}",
+        max(ANCHOR_TTL, 100 * interval),
+        guard_for=0,
+    )
+    anchors[name] = (float(holder), interval)
+    return float(holder), fresh
 
 
 def _numbered(schedule: Any) -> bool:
@@ -218,13 +360,33 @@ def _minute_occurrence(name: str, timestamp: float) -> str:
     return f"{name}@{dt.datetime.fromtimestamp(minute, dt.timezone.utc):%Y-%m-%dT%H:%MZ}"
 
 
+def _opted_out(entry: Any) -> bool:
+    """An entry with ``options={"redlock_beat": False}`` is sent by every beat, unguarded."""
+    return (getattr(entry, "options", None) or {}).get(OPT_OUT_OPTION) is False
+
+
+def _index(occurrence: str) -> int:
+    return int(occurrence.rpartition("#")[2])
+
+
 def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
-    """Wrap ``scheduler.apply_entry``: only the leader sends, each occurrence once."""
+    """Wrap ``scheduler.apply_entry``: only the leader sends, each occurrence once.
+
+    Missed occurrences (after a takeover, after an outage, after claims that failed) are
+    found the same way by every beat: walking back from the latest one due, claiming
+    each on the quorum, down to the first one somebody claimed (at most
+    :data:`MAX_CATCH_UP`, and no further back than a claim lives). What is done with
+    them is ``redlock_beat_catch_up``: ``"one"`` sends the latest, once, standing for all
+    of them (logged with the count; header ``redlock_catch_up``), ``"all"`` sends each,
+    ``"none"`` sends none (logged). The walk's claims are what makes the window the
+    same for a standby that takes over and for an old leader that wins its lease back.
+    """
     original: Callable[..., Any] = scheduler.apply_entry
     redlock = leader.redlock
     settings = get_settings(leader.app)
+    namespace = leader.namespace
+    mode = settings.beat_catch_up
     anchors: dict[str, tuple[float, float]] = {}
-    caught_up: dict[str, int] = {}
     #: per interval entry, the highest occurrence index this beat has sent
     last_sent: dict[str, int] = {}
     #: per entry, the entry reserve() returned: the one the next tick runs. The base
@@ -238,17 +400,24 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     realigned: dict[str, tuple[Any, float]] = {}
     original_when: Callable[..., Any] = scheduler._when
     original_tick: Callable[..., Any] = scheduler.tick
-    #: per crontab (non-interval) entry, the last occurrence this beat let pass while it
-    #: stood by: (entry, occurrence id, wall time it fell due). A standby's scheduler moves
-    #: past a due entry like a leader's, so after a takeover this is how the new leader
-    #: knows which occurrence fell due while the old leader's lease ran out.
-    passed: dict[str, tuple[Any, str, float]] = {}
-    #: the leader term whose crontab catch-up has run
-    crontab_term: list[int] = [0]
+    #: per crontab (non-interval) entry, the occurrences this beat let pass (standing by,
+    #: or leading without a quorum), oldest first, at most MAX_CATCH_UP: (entry, occurrence
+    #: id, wall time it fell due). A standby's scheduler moves past a due entry like a
+    #: leader's, so after a takeover this is how the new leader knows what fell due.
+    passed: dict[str, list[tuple[Any, str, float]]] = {}
+    #: the leader term whose catch-up has run
+    caught_up_term: list[int] = [0]
+    #: per interval entry, (latest missed index, how many) a takeover left to the next
+    #: on-time send because that one was due within a moment (no two sends in a row)
+    carried: dict[str, tuple[int, list[str]]] = {}
 
     def reserve(self: Any, entry: Any) -> Any:
+        model = getattr(entry, "model", None)
+        count = getattr(model, "total_run_count", None)
         upcoming = original_reserve(entry)
         reserved[entry.name] = upcoming
+        if not leader.leading and not _opted_out(entry):
+            _keep_local(self, entry.name, model, count)
         return upcoming
 
     def _when(self: Any, entry: Any, next_time_to_run: Any, *args: Any, **kwargs: Any) -> Any:
@@ -257,7 +426,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         pending = realigned.get(getattr(entry, "name", ""))
         if pending is not None and pending[0] is entry:
             del realigned[entry.name]
-            next_time_to_run = max(0.0, pending[1] - time.time())  # noqa: TID251 - wall
+            next_time_to_run = max(0.0, pending[1] - _wall())
         return original_when(entry, next_time_to_run, *args, **kwargs)
 
     def realign(self: Any, entry: Any, aligned: float) -> None:
@@ -268,17 +437,27 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             realigned[entry.name] = (upcoming, aligned + every)
 
     def tick(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if leader.leading and crontab_term[0] != leader.term:
-            crontab_term[0] = leader.term
-            _catch_up_passed()
+        if leader.leading and caught_up_term[0] != leader.term:
+            caught_up_term[0] = leader.term
+            _catch_up_takeover(self)
         return original_tick(*args, **kwargs)
 
+    def _pass(entry: Any) -> None:
+        if _numbered(getattr(entry, "schedule", None)):
+            return  # interval occurrences are found again from the anchor
+        due = _wall()
+        kept = passed.setdefault(entry.name, [])
+        occurrence = _minute_occurrence(entry.name, due)
+        if not kept or kept[-1][1] != occurrence:
+            kept.append((entry, occurrence, due))
+            del kept[:-MAX_CATCH_UP]
+
     def apply_entry(self: Any, entry: Any, producer: Any = None) -> Any:
+        if _opted_out(entry):
+            return original(_without_opt_out(entry), producer=producer)
         if not leader.leading:
             logger.debug("beat standby: not sending %s", entry.name)
-            if not _numbered(getattr(entry, "schedule", None)):
-                due = time.time()  # noqa: TID251 - occurrences are named by wall time
-                passed[entry.name] = (entry, _minute_occurrence(entry.name, due), due)
+            _pass(entry)
             return None
         now = (
             entry.default_now()
@@ -286,20 +465,22 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             else dt.datetime.now(dt.timezone.utc)
         )
         try:
-            occurrence, aligned = occurrence_of(redlock, entry, now, anchors)
+            occurrence, aligned = occurrence_of(redlock, entry, now, anchors, namespace)
             claim_ttl = _claim_ttl(entry)
             holder, fresh = redlock.claim(
-                f"beat:{occurrence}",
+                occurrence_key(namespace, occurrence),
                 CLAIM_SUFFIX,
                 leader.identity,
                 claim_ttl,
                 guard_for=_guard_window(leader.lease_ttl),
             )
         except RedlockError as exc:
+            _pass(entry)
             _not_sent(entry.name, None, f"cannot claim it: {exc}")
             return None
         if not leader.is_leading():
-            redlock.unclaim(f"beat:{occurrence}", CLAIM_SUFFIX, leader.identity)
+            redlock.unclaim(occurrence_key(namespace, occurrence), CLAIM_SUFFIX, leader.identity)
+            _pass(entry)
             _not_sent(entry.name, occurrence, "lost the leader lease while claiming it")
             return None
         if holder != leader.identity or not fresh:
@@ -309,126 +490,188 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 # slots would otherwise name the slot already sent, and send the next one
                 # almost a whole interval late.
                 realign(self, entry, aligned)
+                last_sent[entry.name] = max(_index(occurrence), last_sent.get(entry.name, -1))
             return None
+        missed: list[str] = []
         if aligned is not None:
             realign(self, entry, aligned)
-            index = int(occurrence.rpartition("#")[2])
+            index = _index(occurrence)
             last = last_sent.get(entry.name)
-            window = leader.lease_ttl + 2 * leader.poll_interval
-            if caught_up.get(entry.name) != leader.term:
-                caught_up[entry.name] = leader.term
-                # After a takeover: what fell due while the old leader's lease ran out.
-                # Only then: a beat that starts when no leader was ever seen runs an
-                # entry once, like Celery.
-                seen = leader.other_leader_seen
-                if seen is not None:
-                    _catch_up(entry, index, aligned, claim_ttl, producer, seen - window)
-            elif last is not None and index > last + 1:
-                # A gap in our own term: a claim that failed (a timeout, a short outage)
-                # or a tick that stalled for over an interval. Bounded like a failover
-                # (plus the interval), so a long outage does not end in a burst.
-                every = entry.schedule.run_every.total_seconds()
-                oldest = time.time() - every - window  # noqa: TID251 - due times are wall
-                _catch_up(entry, index, aligned, claim_ttl, producer, oldest)
+            if last is not None and index > last + 1:
+                # A gap in our own term: claims that failed (a timeout, a short outage)
+                # or a tick that stalled for over an interval.
+                missed = _walk(entry.name, _interval_ids(entry, index - 1, last + 1))[0]
             last_sent[entry.name] = max(index, last if last is not None else index)
-        return original(_tagged(entry, occurrence), producer=producer)
+            held_over = carried.pop(entry.name, None)
+            if held_over is not None and index > held_over[0]:
+                missed += held_over[1]
+        elif passed.get(entry.name):
+            earlier = [o for _, o, due in passed.pop(entry.name) if _fresh_enough(entry, due)]
+            missed = _walk(entry.name, [o for o in reversed(earlier) if o != occurrence])[0]
+        return _deliver(entry, occurrence, missed, producer)
 
-    def _catch_up(
-        entry: Any,
-        index: int,
-        aligned: float,
-        claim_ttl: float,
-        producer: Any,
-        oldest: float,
-    ) -> None:
-        # Walk back over the interval occurrences due since ``oldest``, down to the last
-        # one somebody sent (or this beat sent); claim and send the ones nobody sent.
+    def _deliver(entry: Any, current: str | None, missed: list[str], producer: Any) -> Any:
+        """Send ``current`` (or, at a takeover, the latest missed) by ``mode``.
+
+        ``missed`` are occurrences nobody sent, newest first, all freshly claimed by us.
+        """
         name = entry.name
+        if mode == "all":
+            if len(missed) >= MAX_CATCH_UP:
+                logger.warning(
+                    "beat: %s: catching up at most %d missed occurrences (older ones skipped)",
+                    name,
+                    MAX_CATCH_UP,
+                )
+            for occurrence in reversed(missed):
+                logger.warning("beat: sending %s late: nobody sent it when it fell due", occurrence)
+                original(_tagged(entry, occurrence), producer=producer)
+            return None if current is None else original(_tagged(entry, current), producer=producer)
+        if mode == "none" or (current is None and not missed):
+            if missed:
+                _not_sent(
+                    name,
+                    missed[0],
+                    f"missed {len(missed)} occurrence(s) ({missed[-1]} .. {missed[0]}) and "
+                    "redlock_beat_catch_up is 'none'",
+                )
+            return None if current is None else original(_tagged(entry, current), producer=producer)
+        latest = current if current is not None else missed[0]
+        count = len(missed) + (current is not None)
+        if count > 1 or current is None:
+            logger.warning(
+                "beat: sending %s%s, standing for %d occurrence(s) nobody sent%s "
+                "(redlock_beat_catch_up='one')",
+                latest,
+                " late" if current is None else "",
+                count,
+                f" ({missed[-1]} .. {latest})" if count > 1 else "",
+            )
+        return original(_tagged(entry, latest, catch_up=count), producer=producer)
+
+    def _interval_ids(entry: Any, newest: int, oldest: int | None = None) -> list[str]:
+        """Ids of interval occurrences ``newest`` down to ``oldest`` (or as far back as
+        a claim lives), at most MAX_CATCH_UP."""
         interval = entry.schedule.run_every.total_seconds()
-        last = last_sent.get(name)
-        missed: list[tuple[str, str | None]] = []
-        for back in range(1, MAX_CATCH_UP + 1):
-            if aligned - back * interval < oldest or (last is not None and index - back <= last):
+        reach = max(1, min(MAX_CATCH_UP, int(_claim_ttl(entry) / interval) - 1))
+        floor = max(0, newest - reach + 1, oldest if oldest is not None else 0)
+        return [f"{entry.name}#{i}" for i in range(newest, floor - 1, -1)]
+
+    def _walk(name: str, candidates: list[str]) -> tuple[list[str], str | None]:
+        """Claim ``candidates`` (newest first) down to the first one somebody claimed.
+
+        Returns (the ones we claimed fresh, the first one claimed by another beat or
+        None). Unreachable masters end the walk (logged).
+        """
+        mine: list[str] = []
+        for occurrence in candidates:
+            try:
+                holder, fresh = redlock.claim(
+                    occurrence_key(namespace, occurrence),
+                    CLAIM_SUFFIX,
+                    leader.identity,
+                    _claim_ttl_of(name),
+                    guard_for=_guard_window(leader.lease_ttl),
+                )
+            except RedlockError as exc:
+                _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
                 break
-            earlier = f"{name}#{index - back}"
-            outcome = _claim_missed(name, earlier, claim_ttl)
-            if outcome is None:
+            if holder != leader.identity:
+                return mine, occurrence
+            if not fresh:
                 break
-            missed.append(outcome)
-            if outcome[1] is not None:
-                break  # the old leader claimed this one, and every one before it
-        for earlier, task_id in reversed(missed):
-            _send_missed(entry, earlier, task_id, producer)
+            mine.append(occurrence)
+        return mine, None
+
+    claim_ttls: dict[str, float] = {}
+
+    def _claim_ttl_of(name: str) -> float:
+        return claim_ttls.get(name, max(settings.dedupe_ttl, 180.0))
 
     def _claim_ttl(entry: Any) -> float:
         # redlock_dedupe_ttl, or three intervals (three minutes for crontab entries).
         interval = getattr(getattr(entry, "schedule", None), "run_every", None)
-        return max(settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0))
+        ttl = max(settings.dedupe_ttl, 3 * (interval.total_seconds() if interval else 60.0))
+        claim_ttls[entry.name] = ttl
+        return ttl
+
+    def _fresh_enough(entry: Any, due: float) -> bool:
+        # Past a claim's TTL a claim may be gone: a fresh claim would not mean "unsent".
+        return _wall() - due < _claim_ttl(entry) / 2
 
     def _not_sent(name: str, occurrence: str | None, reason: str) -> None:
         # Nothing is dropped silently: a warning and the signal, wherever it happens.
         logger.warning("beat: not sending %s: %s", occurrence or name, reason)
         signals.beat_not_sent.send(sender=leader, entry=name, occurrence=occurrence, reason=reason)
 
-    def _claim_missed(
-        name: str, occurrence: str, claim_ttl: float
-    ) -> tuple[str, str | None] | None:
-        """Claim an occurrence nobody may have sent: what to send, or None for nothing.
-
-        ``(occurrence, None)``: ours (fresh, or ours from a claim whose reply was lost),
-        send it. ``(occurrence, task_id)``: another beat (the old leader) claimed it but
-        may have died between its claim and its publish; no worker has taken it, so send
-        it again as ``task_id``, whose run is claimed: a worker drops the old leader's
-        copy if it was sent after all. None: unreachable masters, or somebody sent it and
-        a worker took it.
-        """
+    def _catch_up_takeover(scheduler: Any) -> None:
+        """On each new term: the same rule for every entry, whoever led before."""
         try:
-            holder, _ = redlock.claim(
-                f"beat:{occurrence}",
-                CLAIM_SUFFIX,
-                leader.identity,
-                claim_ttl,
-                guard_for=_guard_window(leader.lease_ttl),
-            )
-        except RedlockError as exc:
-            _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
-            return None
-        if holder == leader.identity:
-            return occurrence, None
-        task_id = _claim_run(name, occurrence)
-        return None if task_id is None else (occurrence, task_id)
-
-    def _send_missed(entry: Any, occurrence: str, task_id: str | None, producer: Any) -> None:
-        if task_id is None:
-            logger.warning("beat: sending %s late: nobody sent it when it fell due", occurrence)
-        else:
-            logger.warning(
-                "beat: sending %s again: no worker has it (its sender may have died "
-                "before publishing it; a worker drops a second copy)",
-                occurrence,
-            )
-        original(_tagged(entry, occurrence, task_id), producer=producer)
-
-    def _catch_up_passed() -> None:
-        # After a takeover: crontab occurrences this beat let pass as a standby while the
-        # old leader's lease ran out (interval entries catch up in apply_entry instead).
-        seen = leader.other_leader_seen
-        if seen is None:
+            entries = list(scheduler.schedule.values())
+        except Exception:
+            logger.warning("beat: cannot list the schedule to catch up", exc_info=True)
             return
-        oldest = seen - (leader.lease_ttl + 2 * leader.poll_interval)
-        for name, (entry, occurrence, due) in list(passed.items()):
-            del passed[name]
-            if due < oldest:
-                continue
-            outcome = _claim_missed(name, occurrence, _claim_ttl(entry))
-            if outcome is not None:
-                _send_missed(entry, *outcome, None)
+        for entry in entries:
+            try:
+                _catch_up_entry(entry, scheduler)
+            except RedlockError as exc:
+                _not_sent(entry.name, None, f"cannot catch it up: {exc}")
+
+    def _catch_up_entry(entry: Any, scheduler: Any) -> None:
+        if _opted_out(entry):
+            return
+        name = entry.name
+        if _numbered(getattr(entry, "schedule", None)):
+            interval = entry.schedule.run_every.total_seconds()
+            if interval <= 0:
+                return
+            timestamp = _wall()
+            anchor, created = _anchor(redlock, name, interval, timestamp, anchors, namespace)
+            if created:
+                return  # numbered from now: nothing of it fell due yet
+            latest = math.floor((timestamp - anchor + ALIGN_TOLERANCE) / interval)
+            if latest < 0:
+                return
+            _claim_ttl(entry)
+            floor = last_sent.get(name)
+            candidates = _interval_ids(entry, latest, None if floor is None else floor + 1)
+        else:
+            kept = [o for _, o, due in passed.pop(name, []) if _fresh_enough(entry, due)]
+            if not kept:
+                return
+            _claim_ttl(entry)
+            candidates = list(reversed(kept))
+        missed, other = _walk(name, candidates)
+        if missed:
+            if _numbered(entry.schedule):
+                latest = _index(missed[0])
+                last_sent[name] = max(latest, last_sent.get(name, -1))
+                interval = entry.schedule.run_every.total_seconds()
+                next_due = anchors[name][0] + (latest + 1) * interval
+                if mode == "one" and next_due - _wall() < min(interval / 4, 1.0):
+                    # The next occurrence is due in a moment: it stands for these too,
+                    # rather than two sends of one entry in a row.
+                    carried[name] = (latest, missed)
+                    return
+            _deliver(entry, None, missed, None)
+            if not _numbered(entry.schedule) and mode != "none":
+                _record_late_send(scheduler, entry)
+        elif other is not None and other == candidates[0] and mode != "none":
+            # The old leader claimed the latest one: it may have died before publishing.
+            task_id = _claim_run(name, other)
+            if task_id is not None:
+                logger.warning(
+                    "beat: sending %s again: no worker has it (its sender may have died "
+                    "before publishing it; a worker drops a second copy)",
+                    other,
+                )
+                original(_tagged(entry, other, task_id=task_id), producer=None)
 
     def _claim_run(name: str, occurrence: str) -> str | None:
         task_id = uuid()
         try:
             holder, fresh = redlock.claim(
-                f"beat:{occurrence}",
+                occurrence_key(namespace, occurrence),
                 RUN_SUFFIX,
                 task_id,
                 settings.dedupe_ttl,
@@ -445,8 +688,55 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
     scheduler.tick = types.MethodType(tick, scheduler)
 
 
-def _tagged(entry: Any, occurrence: str, task_id: str | None = None) -> Any:
-    """A shallow copy of ``entry`` whose message carries the occurrence header."""
+def _keep_local(scheduler: Any, name: str, model: Any, count: Any) -> None:
+    """A beat that did not send an entry keeps its reservation to itself.
+
+    Celery reserves an entry (``last_run_at``, ``total_run_count``) before
+    ``apply_entry``. django-celery-beat's DatabaseScheduler writes that to the shared
+    database, and disables a ``one_off`` task once its count is above 0: a standby (or a
+    beat without a quorum) would advance every task's counters and disable a one-off
+    task that nobody sent. So for such a beat the count goes back and the entry is not
+    written; its own ``last_run_at`` still moves, in memory, so it does not tick again.
+    """
+    dirty = getattr(scheduler, "_dirty", None)
+    if isinstance(dirty, set):
+        dirty.discard(name)
+    if model is not None and isinstance(count, int):
+        model.total_run_count = count
+
+
+def _record_late_send(scheduler: Any, entry: Any) -> None:
+    """A late send of a database entry counts as its run (a ``one_off`` is then done)."""
+    model = getattr(entry, "model", None)
+    dirty = getattr(scheduler, "_dirty", None)
+    if model is None or not isinstance(dirty, set):
+        return
+    try:
+        model.total_run_count = int(model.total_run_count) + 1
+        model.last_run_at = entry.default_now()
+        dirty.add(entry.name)
+        if getattr(model, "one_off", False):
+            # Its scheduler does not look at it again (a clocked entry is checked once),
+            # so disable it here, as django-celery-beat's is_due would.
+            model.enabled = False
+            model.no_changes = False
+            model.save()
+    except Exception:
+        logger.debug("beat: could not record the late send of %s", entry.name, exc_info=True)
+
+
+def _wall() -> float:
+    """Wall time: occurrences are named, and due, by the wall clock (beats compare it)."""
+    return time.time()  # noqa: TID251 - due times are wall times
+
+
+def _without_opt_out(entry: Any) -> Any:
+    sent = _copy_entry(entry)
+    sent.options = {k: v for k, v in (entry.options or {}).items() if k != OPT_OUT_OPTION}
+    return sent
+
+
+def _copy_entry(entry: Any) -> Any:
     try:
         # Not copy.copy(): it rebuilds through ScheduleEntry.__reduce__, whose arguments
         # django-celery-beat's ModelEntry.__init__(model, app) does not take (TypeError).
@@ -454,9 +744,18 @@ def _tagged(entry: Any, occurrence: str, task_id: str | None = None) -> Any:
         sent.__dict__.update(vars(entry))
     except TypeError:  # no __dict__
         sent = copy.copy(entry)
-    options = dict(entry.options or {})
+    return sent
+
+
+def _tagged(entry: Any, occurrence: str, *, task_id: str | None = None, catch_up: int = 1) -> Any:
+    """A shallow copy of ``entry`` whose message carries the occurrence header (and,
+    for a coalesced late send, how many occurrences it stands for)."""
+    sent = _copy_entry(entry)
+    options = {k: v for k, v in (entry.options or {}).items() if k != OPT_OUT_OPTION}
     headers = dict(options.get("headers") or {})
     headers[OCCURRENCE_HEADER] = occurrence
+    if catch_up > 1:
+        headers[CATCH_UP_HEADER] = catch_up
     options["headers"] = headers
     if task_id is not None:
         options["task_id"] = task_id
@@ -480,6 +779,25 @@ def _align(scheduler: Any, entry: Any, aligned: float, upcoming: Any = None) -> 
         logger.debug("beat: could not align %s", entry.name, exc_info=True)
 
 
+def refuse_scheduler(scheduler: Any) -> None:
+    """Refuse schedulers whose own locking fights beat leadership.
+
+    celery-redbeat's ``RedBeatScheduler`` takes a lock of its own (one beat ticks) and
+    keeps each entry's due time in Redis, where every beat's reservation lands: with our
+    leader on top, the beat holding RedBeat's lock may be a standby here and nobody sends.
+
+    :raises ImproperlyConfigured: naming ``redlock_beat_leader`` and what to do.
+    """
+    cls = type(scheduler)
+    if any(k.__module__.split(".")[0] == "redbeat" for k in cls.__mro__):
+        raise ImproperlyConfigured(
+            f"beat scheduler {cls.__module__}.{cls.__name__} (celery-redbeat) has its own "
+            "beat lock and cannot run under celery-redlock's beat leadership; set "
+            "redlock_beat_leader = False (RedBeat's lock then keeps one beat sending; "
+            "workers do not drop duplicate occurrences), or use another scheduler"
+        )
+
+
 def on_beat_init(service: Any) -> BeatLeader | None:
     """Set up leadership for the beat ``service`` (called from the beat_init handler)."""
     app = service.app
@@ -487,6 +805,7 @@ def on_beat_init(service: Any) -> BeatLeader | None:
     if not settings.beat_leader:
         logger.info("beat: redlock_beat_leader is off; every beat sends (no claims)")
         return None
+    refuse_scheduler(service.scheduler)
     leader = BeatLeader(app, lease_ttl=settings.beat_lease_ttl)
     guard_scheduler(service.scheduler, leader)
     leader.start()
@@ -505,7 +824,7 @@ def is_duplicate_occurrence(app: Any, occurrence: str, task_id: str) -> bool:
     try:
         settings = get_settings(app)
         holder, _ = redlock.claim(
-            f"beat:{occurrence}",
+            occurrence_key(beat_namespace(app), occurrence),
             RUN_SUFFIX,
             task_id,
             settings.dedupe_ttl,

@@ -200,6 +200,16 @@ def clear(
         sys.exit(1)
 
 
+def _beat_state(app: Any) -> dict[str, Any] | None:
+    """Beat leadership as the masters see it (read only); None when beat is not guarded."""
+    from .beat import beat_status
+    from .settings import get_settings
+
+    if not get_settings(app).beat_leader:
+        return None
+    return beat_status(app)
+
+
 @redlock.command(cls=CeleryCommand)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.pass_context
@@ -214,11 +224,13 @@ def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
     client = _client(ctx)
     max_ttl, problems = _longest_ttl(app)
     reports, quorum = admin.check(client, max_ttl=max_ttl)
+    beat = _beat_state(app)
     if as_json:
         report = {
             "quorum": quorum,
             "max_ttl": max_ttl,
             "problems": problems,
+            "beat": beat,
             "masters": [vars(r) for r in reports],
         }
         click.echo(json.dumps(report, indent=2))
@@ -253,6 +265,10 @@ def check(ctx: click.Context, as_json: bool, **_: Any) -> None:
         for problem in problems:
             click.echo(f"warning: {shown(problem)}")
         click.echo(f"longest lock TTL: {max_ttl:g}s (tasks' lock_ttl, redlock_ttl, beat lease)")
+        if beat is not None:
+            state = beat["state"]
+            shown_state = "led" if state == "led" else state.upper()
+            click.echo(f"beat ({shown(beat['namespace'])}): {shown_state}: {shown(beat['detail'])}")
         up = sum(1 for r in reports if r.reachable and r.duplicate_of is None)
         verdict = "OK" if quorum else "UNAVAILABLE"
         click.echo(f"quorum: {up} of {len(reports)} masters up, {client.quorum} needed: {verdict}")

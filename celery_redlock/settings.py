@@ -75,6 +75,7 @@ OnContention: TypeAlias = Literal["retry", "skip", "raise"]
 DedupeMode: TypeAlias = Literal["queued", "active"]
 OnLockLost: TypeAlias = Literal["log", "interrupt"]
 SkipResult: TypeAlias = Literal["failure", "ignored"]
+BeatCatchUp: TypeAlias = Literal["one", "all", "none"]
 
 #: Shortest ``ttl`` accepted: Redis keeps milliseconds, and validity loses 2 ms plus drift.
 MIN_TTL: Final = limits.MIN_TTL
@@ -105,6 +106,7 @@ DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
         "beat_lease_ttl": 10,
         "backend": "redis",
         "backend_force": False,
+        "beat_catch_up": "one",
     }
 )
 
@@ -452,6 +454,25 @@ def default_redis_url(broker_url: object) -> str:
     return _LOCALHOST
 
 
+def _first_broker(broker_url: object) -> object:
+    if isinstance(broker_url, (list, tuple)):
+        return broker_url[0] if broker_url else None
+    return broker_url.split(";", 1)[0].strip() if isinstance(broker_url, str) else broker_url
+
+
+def _other_broker(broker_url: object) -> bool:
+    """Whether ``broker_url`` names a broker that is not Redis (AMQP, SQS, Sentinel...).
+
+    Then ``redlock_redis_urls`` has no default: a silent ``localhost:6379`` would gate
+    every beat entry on a server nobody configured. No broker URL at all keeps the
+    default (unit tests, the standalone API).
+    """
+    first = _first_broker(broker_url)
+    if not isinstance(first, str) or "://" not in first:
+        return False
+    return first.partition("://")[0] not in ("redis", "rediss", "unix", "socket", "redis+socket")
+
+
 # -- the settings object -------------------------------------------------------------------
 
 
@@ -487,6 +508,9 @@ class RedlockSettings:
     backend: Literal["redis", "memory"] = "redis"
     #: let ``celery worker`` and beat use the memory backend (one process only)
     backend_force: bool = False
+    #: missed occurrences of an entry after a failover or an outage: ``"one"`` late send
+    #: standing for all of them, ``"all"`` of them (at most ``beat.MAX_CATCH_UP``), ``"none"``
+    beat_catch_up: BeatCatchUp = "one"
 
     def __repr__(self) -> str:
         # Masters are described without their passwords: this repr may well be logged.
@@ -536,6 +560,7 @@ _CHECKERS: Final[Mapping[str, Callable[[object], object]]] = {
     "beat_lease_ttl": lambda v: _seconds(v, MIN_TTL),
     "backend": lambda v: _choice(v, ("redis", "memory")),
     "backend_force": _bool,
+    "beat_catch_up": lambda v: _choice(v, ("one", "all", "none")),
 }
 
 
@@ -559,6 +584,19 @@ def check_values(
         if name in values:
             raw = values[name]
         elif name == "redis_urls":
+            if _other_broker(broker_url):
+                problems.append(
+                    SettingProblem(
+                        name,
+                        "invalid",
+                        f"{_label(name)} must be set when the broker is not Redis (the "
+                        "masters would default to redis://localhost:6379/0, which may be "
+                        "nobody's lock service); accepted: a list of Redis master URLs, "
+                        "dicts, clients or Sentinel specs; broker: "
+                        f"{mask_url(str(_first_broker(broker_url)))}",
+                    )
+                )
+                continue
             raw = default_redis_url(broker_url)
         else:
             raw = DEFAULTS[name]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 __all__ = [
+    "beat_no_leader",
     "beat_not_sent",
     "beat_status",
     "duplicate_dropped",
@@ -67,7 +68,8 @@ lock_lost = Signal(name="redlock_lock_lost")
 duplicate_dropped = Signal(name="redlock_duplicate_dropped")
 
 #: Beat leadership changed. Arguments: ``status`` (``"leader"`` or ``"standby"``),
-#: ``previous``.
+#: ``previous``, ``identity`` (this beat's ``host:pid:random``, as its log lines and
+#: :func:`celery_redlock.beat.beat_status` name it).
 beat_status = Signal(name="redlock_beat_status")
 
 #: A leading beat did not send an occurrence that fell due (or that it was catching up
@@ -75,3 +77,8 @@ beat_status = Signal(name="redlock_beat_status")
 #: with a warning. Arguments: ``entry`` (its name), ``occurrence`` (None when it could not
 #: even be named), ``reason``.
 beat_not_sent = Signal(name="redlock_beat_not_sent")
+
+#: No beat can lead: a beat could not reach a quorum of the masters to take (or keep) the
+#: leader lease, so no guarded entry is sent. Sent with an ERROR once per lease period
+#: while it lasts. Arguments: ``reason``, ``down_for`` (seconds since it began).
+beat_no_leader = Signal(name="redlock_beat_no_leader")

@@ -305,6 +305,8 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None or app not in _installed:
         return
+    from .beat import on_beat_init
+
     try:
         validate_app(app)
         settings = get_settings(app)
@@ -312,10 +314,8 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
             from .memory import refuse_in_shared_process
 
             refuse_in_shared_process(settings.backend_force, "beat")
+        sender._redlock_leader = on_beat_init(sender)
     except ImproperlyConfigured as exc:
         logger.critical("celery-redlock: %s", exc)
         # Signal.send swallows Exception subclasses; SystemExit stops beat at start.
         raise SystemExit(f"celery-redlock: {exc}") from exc
-    from .beat import on_beat_init
-
-    sender._redlock_leader = on_beat_init(sender)

@@ -234,3 +234,24 @@ def test_clear_at_the_prompt_keeps_what_changed_after_the_listing(
     late.extend()
     with pytest.raises(LockLost):
         kept.extend()
+
+
+def test_check_names_the_leading_beat_or_says_none_leads(
+    cli: Cli, redlock: Redlock, masters: Masters
+) -> None:
+    result = cli("check", "--json")
+    assert json.loads(result.stdout)["beat"]["state"] == "no leader"
+    assert "beat (cliapp): NO LEADER" in cli("check").stdout
+    # What a leading beat writes (celery_redlock.beat.BeatLeader): its identity in the
+    # leader lease's metadata.
+    lease = redlock.acquire("beat:leader:cliapp", 30, meta={"beat": "host-7:4242:abcdef"})
+    try:
+        before = _keys(masters)
+        result = cli("check", "--json")
+        beat = json.loads(result.stdout)["beat"]
+        assert beat["state"] == "led"
+        assert beat["leader"] == "host-7:4242:abcdef"
+        assert "host-7:4242:abcdef holds the leader lease" in cli("check").stdout
+        assert _keys(masters) == before  # still read-only
+    finally:
+        lease.release()

@@ -473,7 +473,15 @@ class Redlock:
                 }
                 mine |= {i for i in result.errors if lane.links[i].connected} | result.not_waited
                 if mine:
-                    self._round(lane, [undo if i in mine else None for i in range(n)])
+                    # Lost to another claimant: nothing of ours follows the undo, and
+                    # later commands on these connections run after it, so it is not
+                    # waited for (a slow master would otherwise cost every lost claim
+                    # its round trip: a worker's consumer dropping duplicates stalled).
+                    self._round(
+                        lane,
+                        [undo if i in mine else None for i in range(n)],
+                        wait=winner is None,
+                    )
             if winner is not None:
                 return winner.decode(), False
             if sum(votes.values()) < q:

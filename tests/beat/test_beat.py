@@ -34,6 +34,7 @@ from celery.beat import Service
 import celery_redlock
 from celery_redlock import Redlock
 from celery_redlock import signals as redlock_signals
+from celery_redlock.beat import anchor_key, occurrence_key
 from celery_redlock.keys import redis_key
 from celery_redlock.testing import Masters, RedisServer, wait_for
 
@@ -101,7 +102,7 @@ def slot_lateness(
     cluster: Cluster, runs: list[dict[str, Any]], name: str
 ) -> dict[str, tuple[float, dict[str, Any]]]:
     """Occurrence id -> (seconds its message was sent after its slot, the run)."""
-    key = redis_key("redlock", f"beat:{name}", f"anchor:{INTERVAL:g}")
+    key = redis_key("redlock", anchor_key("beatproj", name), f"anchor:{INTERVAL:g}")
     with cluster.masters_servers[0].client() as conn:  # type: ignore[attr-defined]
         anchor = float(conn.get(key))
     out = {}
@@ -590,17 +591,17 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
     # last one never published), run claims by workers for all but #last.
     rl = Redlock(masters.urls)
     anchor = now() - 10.5
-    rl.claim("beat:e", "anchor:1", f"{anchor:.6f}", 3600)
-    last = math.floor(now() - anchor) - 1
+    ns = "inproc-beat"
+    rl.claim(anchor_key(ns, "e"), "anchor:1", f"{anchor:.6f}", 3600)
+    last = math.floor(now() - anchor)  # the latest one due: nothing after it was missed
     for index in range(last + 1):
-        rl.claim(f"beat:e#{index}", "sent", "dead-leader", 3600)
+        rl.claim(occurrence_key(ns, f"e#{index}"), "sent", "dead-leader", 3600)
         if index < last or worker_took_it:
-            rl.claim(f"beat:e#{index}", "run", f"task-{index}", 3600)
+            rl.claim(occurrence_key(ns, f"e#{index}"), "run", f"task-{index}", 3600)
 
     try:
         with _leading_beat(app, tmp_path) as (service, published):
-            # As if it had just taken over from dead-leader.
-            service._redlock_leader.other_leader_seen = now()
+            # It leads from the start: its first term's catch-up finds dead-leader's claim.
             deadline = time.monotonic() + 20
             while not published and time.monotonic() < deadline:
                 interval = service.scheduler.tick()
@@ -615,7 +616,7 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
     assert sent == [f"e#{i}" for i in range(first, int(current[2:]) + 1)]
     if not worker_took_it:
         (task_id,) = [t for o, t in published if o == f"e#{last}"]
-        key = redis_key("redlock", f"beat:e#{last}", "run")
+        key = redis_key("redlock", occurrence_key(ns, f"e#{last}"), "run")
         with masters[0].client() as conn:
             assert conn.get(key) == task_id.encode(), "resent without its run claim"
 

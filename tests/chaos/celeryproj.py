@@ -210,4 +210,6 @@ def tick(self: Any, entry: str, every: float) -> None:
         occurrence=occurrence,
         task_id=request.id,
         sender=request.get("chaos_sender"),
+        # a coalesced late send stands for this many occurrences (redlock_beat_catch_up)
+        catch_up=request.get("redlock_catch_up"),
     )

@@ -605,13 +605,19 @@ def _beat(events: Sequence[Event], window: tuple[int, int] | None) -> Verdict:
         count[e["occurrence"]].append(e)
     dups = {o: rs for o, rs in count.items() if len(rs) > 1}
     indices: dict[str, set[int]] = defaultdict(set)
-    for occurrence in count:
+    covered: dict[str, set[int]] = defaultdict(set)
+    for occurrence, rs in count.items():
         m = _INDEX.match(occurrence)
         if m:
-            indices[m.group(1)].add(int(m.group(2)))
+            index = int(m.group(2))
+            indices[m.group(1)].add(index)
+            # A coalesced late send (header redlock_catch_up = n) stands for its own
+            # occurrence and the n - 1 before it: those were not skipped.
+            stands_for = max(int(e.get("catch_up") or 1) for e in rs)
+            covered[m.group(1)].update(range(index - stands_for + 1, index + 1))
     gaps = []
     for entry, seen in indices.items():
-        gaps += [f"{entry}#{i}" for i in range(min(seen), max(seen) + 1) if i not in seen]
+        gaps += [f"{entry}#{i}" for i in range(min(seen), max(seen) + 1) if i not in covered[entry]]
     v = Verdict("beat_once", NONE, sum(len(r) - 1 for r in dups.values()) + len(gaps))
     v.detail = (
         f"{len(count)} occurrences, {len(runs)} runs; {len(dups)} duplicated, {len(gaps)} skipped"

@@ -352,6 +352,11 @@ def test_beat_occurrences() -> None:
     v = verdict(h, "beat_once")
     assert v.violations == 3
     assert "1 duplicated, 2 skipped" in v.detail
+    # a coalesced late send of e#9 standing for 3 (e#7, e#8, e#9): nothing more skipped
+    h.at(9000, "w", "beat_run", entry="e", occurrence="e#9", catch_up=3)
+    assert verdict(h, "beat_once").violations == 3
+    h.at(11000, "w", "beat_run", entry="e", occurrence="e#12", catch_up=2)  # e#10 skipped
+    assert "1 duplicated, 3 skipped" in verdict(h, "beat_once").detail
 
 
 # -- expectations --------------------------------------------------------------------------------

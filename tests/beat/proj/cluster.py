@@ -155,6 +155,9 @@ class Cluster:
         lease_ttl: float = 3.0,
         schedule: dict[str, float | str] | None = None,
         django_db: Path | None = None,
+        catch_up: str | None = None,
+        app_name: str | None = None,
+        opt_out: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +166,11 @@ class Cluster:
         self.lease_ttl = lease_ttl
         self.schedule = dict(schedule or {})
         self.django_db = django_db
+        self.catch_up = catch_up
+        self.app_name = app_name
+        self.opt_out = list(opt_out)
+        #: per process name: its wall clock offset (BEAT_TEST_CLOCK_OFFSET)
+        self.clock_offsets: dict[str, float] = {}
         self.output = workdir / "records.jsonl"
         self.output.touch()
         self.procs: list[Proc] = []
@@ -185,6 +193,10 @@ class Cluster:
             BEAT_TEST_LEASE_TTL=f"{self.lease_ttl:g}",
             BEAT_TEST_SCHEDULE=json.dumps(self.schedule),
         )
+        env["BEAT_TEST_CATCH_UP"] = self.catch_up or ""
+        env["BEAT_TEST_APP_NAME"] = self.app_name or ""
+        env["BEAT_TEST_OPT_OUT"] = ",".join(self.opt_out)
+        env["BEAT_TEST_CLOCK_OFFSET"] = f"{self.clock_offsets.get(name, 0.0):g}"
         env.pop("DJANGO_SETTINGS_MODULE", None)
         if self.django_db is not None:
             env["BEAT_TEST_DJANGO_DB"] = str(self.django_db)
@@ -266,8 +278,8 @@ class Cluster:
         return out
 
     def runs(self) -> list[dict[str, Any]]:
-        """Task body records (everything but beat status changes)."""
-        return [r for r in self.records() if r["kind"] != "beat_status"]
+        """Task body records (everything but beat status changes and no-leader alarms)."""
+        return [r for r in self.records() if r["kind"] not in ("beat_status", "beat_no_leader")]
 
     def wait_runs(
         self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str
@@ -324,6 +336,7 @@ def occurrence_problems(
     """
     problems = []
     seen: dict[str, int] = {}
+    covers: dict[str, int] = {}
     task_ids: dict[str, int] = {}
     for run in runs:
         occurrence = run.get("occurrence")
@@ -331,6 +344,7 @@ def occurrence_problems(
             problems.append(f"run without an occurrence header: {run}")
             continue
         seen[occurrence] = seen.get(occurrence, 0) + 1
+        covers[occurrence] = max(covers.get(occurrence, 1), int(run.get("catch_up") or 1))
         task_ids[run["task_id"]] = task_ids.get(run["task_id"], 0) + 1
     problems += [f"occurrence {o} ran {n} times" for o, n in seen.items() if n > 1]
     problems += [f"task id {t} ran {n} times" for t, n in task_ids.items() if n > 1]
@@ -339,7 +353,14 @@ def occurrence_problems(
         if not indexes:
             problems.append(f"{name}: no occurrence ran")
             continue
-        missing = sorted(set(range(indexes[0], indexes[-1] + 1)) - set(indexes))
+        covered = {
+            i - back
+            for o in seen
+            if o.startswith(f"{name}#")
+            for i in [int(o.rpartition("#")[2])]
+            for back in range(covers[o])
+        }
+        missing = sorted(set(range(indexes[0], indexes[-1] + 1)) - covered)
         if missing:
             problems.append(f"{name}: occurrences {missing} missing (ran {indexes})")
     return problems

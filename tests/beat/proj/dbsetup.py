@@ -1,7 +1,8 @@
 """``python -m proj.dbsetup NAME=SECONDS ...``: migrate the sqlite DB and add interval tasks.
 
 Each ``NAME=SECONDS`` becomes a django-celery-beat ``PeriodicTask`` named NAME on an
-``IntervalSchedule`` of SECONDS, calling ``proj.app.tick(kind=NAME)``.
+``IntervalSchedule`` of SECONDS, calling ``proj.app.tick(kind=NAME)``; ``NAME=once:EPOCH``
+a ``one_off`` task on a ``ClockedSchedule`` at that time.
 """
 
 from __future__ import annotations
@@ -16,12 +17,27 @@ def main(argv: list[str]) -> None:
     import django
 
     django.setup()
+    import datetime as dt
+
     from django.core.management import call_command
-    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from django_celery_beat.models import ClockedSchedule, IntervalSchedule, PeriodicTask
 
     call_command("migrate", verbosity=0)
     for spec in argv:
         name, _, seconds = spec.partition("=")
+        if seconds.startswith("once:"):
+            at = dt.datetime.fromtimestamp(float(seconds[5:]), dt.timezone.utc)
+            clocked = ClockedSchedule.objects.create(clocked_time=at)
+            PeriodicTask.objects.update_or_create(
+                name=name,
+                defaults={
+                    "task": "proj.app.tick",
+                    "clocked": clocked,
+                    "one_off": True,
+                    "kwargs": json.dumps({"kind": name}),
+                },
+            )
+            continue
         every, _ = IntervalSchedule.objects.get_or_create(
             every=int(seconds), period=IntervalSchedule.SECONDS
         )
