@@ -57,6 +57,12 @@ CRASHY_RAISE = "redlock_proj.crashy_raise"
 #: Catches SoftTimeLimitExceeded (a revoke with SIGUSR1) and runs a 2 s cleanup.
 SOFT = "redlock_proj.soft"
 
+#: The pool matrix (test_pools.py): a body longer than its 1 s lock TTL made of sleeps,
+#: returning how long each ``time.sleep`` really took; and one with ``on_lock_lost="log"``
+#: that returns whether its lease still read as held at the end.
+SLEEPER = "redlock_proj.sleeper"
+WATCHER = "redlock_proj.watcher"
+
 #: The signals :func:`record_signals` records.
 RECORDED_SIGNALS = ("lock_contended", "lock_unavailable", "lock_lost", "duplicate_dropped")
 
@@ -67,7 +73,7 @@ class EventLog:
     def __init__(self, url: str) -> None:
         self.redis = redis.Redis.from_url(url, socket_timeout=5)
 
-    def record(self, event: str, task: Any) -> None:
+    def record(self, event: str, task: Any, t: int | None = None) -> None:
         self.redis.rpush(
             "events",
             json.dumps(
@@ -77,7 +83,7 @@ class EventLog:
                     "name": task.name,
                     "host": task.request.hostname or socket.gethostname(),
                     "pid": os.getpid(),
-                    "t": time.monotonic_ns(),
+                    "t": time.monotonic_ns() if t is None else t,
                 }
             ),
         )
@@ -190,6 +196,51 @@ def make_app(env: Mapping[str, str]) -> Celery:
             raise
         record("exit", self)
         return name
+
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=SLEEPER,
+        lock_key="sleeper:{name}",
+        lock_ttl=1,
+        dedupe=None,
+    )
+    def sleeper(self: Any, name: str, naps: int = 6, nap: float = 0.25) -> list[float]:
+        # The first sleep comes right after the acquire, before any other I/O: a wake-up
+        # left over from the acquire round (eventlet) would land in it. "enter" is
+        # recorded afterwards, with the time the body began.
+        entered = time.monotonic_ns()
+        took = []
+        for _ in range(naps):
+            started = time.monotonic()
+            time.sleep(nap)
+            took.append(time.monotonic() - started)
+        held = self.lease is not None and self.lease.held
+        record("enter", self, entered)
+        record("exit", self)
+        if not held:
+            raise RuntimeError("the lease was not held at the end of the body")
+        return took
+
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=WATCHER,
+        lock_key="watcher:{name}",
+        lock_ttl=1,
+        on_lock_lost="log",
+        dedupe=None,
+    )
+    def watcher(self: Any, name: str, seconds: float = 20.0) -> bool:
+        """Sleeps until its lease reads as lost (or ``seconds`` pass); returns ``held``."""
+        record("enter", self)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.lease is not None and self.lease.held:
+            time.sleep(0.05)
+        record("exit", self)
+        return bool(self.lease is not None and self.lease.held)
 
     @app.task(
         shared=False, bind=True, base=SingletonTask, name=SOFT, lock_key="soft:{name}", dedupe=None
