@@ -30,7 +30,9 @@ __all__ = [
 ]
 
 #: The lock was taken before the body runs. Arguments: ``key``, ``lease``,
-#: ``task_id``, ``waited`` (seconds the acquire took).
+#: ``task_id``, ``waited`` (seconds the acquire took), ``rescheduled_for`` (seconds since
+#: celery-redlock first rescheduled this job, for contention, an outage or its own earlier
+#: run, since its last ``retry()``; 0.0 when it never did; wall clock, across hosts).
 lock_acquired = Signal(name="redlock_lock_acquired")
 
 #: Someone else holds the key. Arguments: ``key``, ``task_id``, ``action``

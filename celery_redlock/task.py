@@ -71,6 +71,9 @@ logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.r
 
 #: Message header: how many times contention has rescheduled this job so far.
 CONTENTION_HEADER = "redlock_contention"
+#: Message header: ``"<unix time>;<retries>"`` of this job's first reschedule by
+#: celery-redlock (contention, an outage, its own earlier run) since its last ``retry()``.
+WAITING_HEADER = "redlock_waiting_since"
 #: Message header: how many times an outage has rescheduled this job so far.
 OUTAGE_HEADER = "redlock_outage"
 #: Message header: the serializer a publish chose, when not the task's own (kept by
@@ -272,6 +275,21 @@ def _header(request: Any, name: str) -> Any:
     if value is None:
         value = (getattr(request, "headers", None) or {}).get(name)
     return value
+
+
+def _rescheduled_since(request: Any) -> float | None:
+    """When celery-redlock first rescheduled this job (since its last ``retry()``), as
+    unix time; None when it never did. Wall clock: the reschedules may run on other hosts."""
+    raw = _header(request, WAITING_HEADER)
+    if not isinstance(raw, str):
+        return None
+    since, _, retries = raw.partition(";")
+    try:
+        if int(retries) != int(request.retries or 0):
+            return None  # written before a retry(): that wait is over
+        return float(since)
+    except ValueError:
+        return None
 
 
 def _delay_of(options: Mapping[str, Any], tz: dt.tzinfo | None = None) -> float:
@@ -590,8 +608,14 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease.on_lost(
             lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
         )
+        since = _rescheduled_since(request)
         signals.lock_acquired.send(
-            sender=self, key=key, lease=lease, task_id=task_id, waited=time.monotonic() - started
+            sender=self,
+            key=key,
+            lease=lease,
+            task_id=task_id,
+            waited=time.monotonic() - started,
+            rescheduled_for=0.0 if since is None else max(0.0, time.time() - since),  # noqa: TID251 - across hosts
         )
         try:
             return self.run(*args, **kwargs)
@@ -729,6 +753,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     ) -> None:
         headers = dict(getattr(request, "headers", None) or {})
         headers.update(header)
+        if _rescheduled_since(request) is None:
+            headers[WAITING_HEADER] = f"{time.time():.3f};{request.retries or 0}"  # noqa: TID251 - compared across hosts
         signature = self.signature_from_request(
             request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
         )
@@ -845,7 +871,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             countdown,
         )
         self._republish(request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1})
-        raise Retry(f"lock {key} held by an earlier run of this job", exc=exc, when=countdown)
+        raise Retry(
+            f"lock {printable(key)} held by an earlier run of this job", exc=exc, when=countdown
+        )
 
     def _on_unavailable(
         self,

@@ -19,6 +19,7 @@ which would make a series per argument):
 ``acquire_total{task,outcome}``            counter    outcome: acquired, contended, unavailable
 ``acquire_wait_seconds{task}``             histogram  time an acquire round took
 ``hold_seconds{task}``                     histogram  acquire to release
+``rescheduled_seconds{task}``              histogram  first reschedule to acquire (0 if none)
 ``contention_reschedules_total{task}``     counter    reschedules because the key was held
 ``contention_delay_seconds_total{task}``   counter    their backoff delays, summed
 ``contended_total{task,action}``           counter    contention by action (retry, skip, ...)
@@ -90,6 +91,12 @@ HOLD = Histogram(
     ["task"],
     buckets=_DURATION_BUCKETS,
 )
+RESCHEDULED_FOR = Histogram(
+    "celery_redlock_rescheduled_seconds",
+    "From a job's first reschedule (contention, outage, its own earlier run) to its acquire",
+    ["task"],
+    buckets=_DURATION_BUCKETS,
+)
 RESCHEDULES = Counter(
     "celery_redlock_contention_reschedules", "Reschedules because the key was held", ["task"]
 )
@@ -133,10 +140,13 @@ def _task_name(sender: Any) -> str:
     return name if isinstance(name, str) else "unknown"
 
 
-def _on_acquired(sender: Any = None, waited: float = 0.0, **_: Any) -> None:
+def _on_acquired(
+    sender: Any = None, waited: float = 0.0, rescheduled_for: float = 0.0, **_: Any
+) -> None:
     task = _task_name(sender)
     ACQUIRE.labels(task, "acquired").inc()
     ACQUIRE_WAIT.labels(task).observe(max(0.0, float(waited)))
+    RESCHEDULED_FOR.labels(task).observe(max(0.0, float(rescheduled_for)))
 
 
 def _on_contended(

@@ -81,6 +81,10 @@ def test_a_prefork_worker_serves_its_childrens_metrics(
     assert _value(samples, "celery_redlock_contention_delay_seconds_total", task=LOOP) > 0.2
     assert _value(samples, "celery_redlock_hold_seconds_count", task=LOOP) == 2
     assert _value(samples, "celery_redlock_acquire_wait_seconds_count", task=LOOP) == 2
+    # The second job waited through its reschedules until the first released: that wait,
+    # not only its last acquire round, is counted.
+    assert _value(samples, "celery_redlock_rescheduled_seconds_count", task=LOOP) == 2
+    assert _value(samples, "celery_redlock_rescheduled_seconds_sum", task=LOOP) > 0.5
     assert _value(samples, "celery_redlock_beat_leader") == 0
 
     # One master stops: the process that meets it says so, and the gauge (the minimum over
