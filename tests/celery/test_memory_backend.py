@@ -115,7 +115,9 @@ def test_in_process_worker_dedupes_and_skips_on_contention(worker_app: Celery) -
         holder = hold.delay(8)
         wait_for(started.is_set, timeout=20, message="the holder to start")
         skipped = hold.apply_async((8,), task_id="skipped-1")
-        wait_for(lambda: skipped.state == "IGNORED", timeout=20, message="IGNORED stored")
+        # Skipped: a ready FAILURE with LockContended (redlock_skip_result's default).
+        with pytest.raises(LockContended):
+            skipped.get(timeout=20)
         gate.set()
         assert holder.get(timeout=20) == "held"
 
