@@ -103,13 +103,20 @@ def validate_app(app: Any) -> None:
     )
 
 
+#: This worker's node name (``-n``), which its pool's runs write into their locks'
+#: metadata; set when the worker starts (see :func:`_same_worker`).
+_worker_nodename: str | None = None
+
+
 class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
     """Worker bootstep: validates configuration when the worker starts."""
 
     name = "celery_redlock.validate"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        global _worker_nodename
         validate_app(worker.app)
+        _worker_nodename = getattr(worker, "hostname", None)
         from celery.apps.worker import Worker
 
         # `celery worker` (not an in-process test worker, which is no apps.worker.Worker),
@@ -178,9 +185,13 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         _drop_marker(task, key, task_id, why)
         return
     token, meta = found
-    machine = meta["host"].rpartition("@")[2]
-    if meta["task_id"] != task_id or machine != socket.gethostname() or not meta["pid"].isdigit():
-        return  # another run's lock (a redelivery elsewhere): not ours to free
+    if meta["task_id"] != task_id:
+        # Another job holds the key (this one was revoked while queued or waiting on
+        # contention): its lock is not ours to free, but this job's own marker is.
+        _drop_marker(task, key, task_id, why)
+        return
+    if not _same_worker(meta["host"], request) or not meta["pid"].isdigit():
+        return  # a run of this job on another worker (a redelivery elsewhere)
     pid = int(meta["pid"])
     if not _process_alive(pid):
         _release_token(task, key, token, task_id, why)
@@ -191,6 +202,19 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         name=f"redlock-release-{task_id}",
         daemon=True,
     ).start()
+
+
+def _same_worker(host: str, request: Any) -> bool:
+    """Whether a lock whose metadata names ``host`` was taken by this worker's pool.
+
+    The run writes its worker's node name (``-n name@host``, whatever the host part says);
+    the main process compares it with its own, so a custom node name (``-n a@myservice``)
+    is recognised. Without a node name, the machine's host name is compared.
+    """
+    node = getattr(request, "hostname", None)
+    if node:
+        return bool(host == node)
+    return host.rpartition("@")[2] == socket.gethostname()
 
 
 def _release_after_exit(task: Any, key: str, token: str, task_id: str, pid: int, why: str) -> None:
@@ -290,7 +314,9 @@ def _on_task_failure(
     if task is None or not isinstance(exception, WorkerLostError | TimeLimitExceeded):
         return
     # Sent by the main process when the pool child died or hit its hard limit.
-    request = SimpleNamespace(id=task_id, args=kw.get("args"), kwargs=kw.get("kwargs"))
+    request = SimpleNamespace(
+        id=task_id, args=kw.get("args"), kwargs=kw.get("kwargs"), hostname=_worker_nodename
+    )
     _release_killed(task, request, type(exception).__name__)
 
 

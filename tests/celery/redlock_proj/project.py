@@ -61,6 +61,8 @@ SOFT = "redlock_proj.soft"
 #: returning how long each ``time.sleep`` really took; and one with ``on_lock_lost="log"``
 #: that returns whether its lease still read as held at the end.
 SLEEPER = "redlock_proj.sleeper"
+#: Like ``loop``, with the default enqueue dedupe ("queued").
+LOOPQ = "redlock_proj.loopq"
 WATCHER = "redlock_proj.watcher"
 
 #: The signals :func:`record_signals` records.
@@ -196,6 +198,10 @@ def make_app(env: Mapping[str, str]) -> Celery:
             raise
         record("exit", self)
         return name
+
+    @app.task(shared=False, bind=True, base=SingletonTask, name=LOOPQ, lock_key="loopq:{name}")
+    def loopq(self: Any, name: str, seconds: float = 60.0) -> str:
+        return run_until_stopped(self, name, seconds)
 
     @app.task(
         shared=False,
