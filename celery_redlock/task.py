@@ -90,12 +90,6 @@ OWN_RUN_HEADER = "redlock_own_run"
 _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "redlock_republishing", default=False
 )
-#: True in a prefork pool process (``worker_process_init``, see wiring): the one pool whose
-#: main process kills a run at its hard time limit. Only there does renewal stop at that
-#: limit; threads and solo pools enforce no time limit, so a run goes on past it and must
-#: keep its lock.
-_time_limits_enforced = False
-
 _RetryHook = Callable[[Sequence[Any], Mapping[str, Any], Mapping[str, Any]], None]
 
 #: Set by ``retry()``: frees the running job's lock right before its retry is published,
@@ -586,7 +580,6 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 key,
                 opts.lock_ttl,
                 auto_renew=True,
-                max_hold=self._hard_time_limit(request),
                 renew_every=opts.renew_every,
                 meta=meta,
                 clear_companion=(
@@ -683,15 +676,6 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             _republishing.reset(token)
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _hard_time_limit(self, request: Any) -> float | None:
-        """The run's hard time limit where the pool enforces it (prefork), else None."""
-        if not _time_limits_enforced:
-            return None
-        limits = getattr(request, "timelimit", None) or (None, None)
-        hard = limits[0] if limits else None
-        hard = hard or self.time_limit or self.app.conf.task_time_limit
-        return float(hard) if hard else None
 
     def _release(self, request: Any, *, wait: bool = True) -> None:
         """Release the run's lease; ``wait=False`` sends it without awaiting replies."""

@@ -48,9 +48,6 @@ def install(app: Any) -> None:
     celery_signals.task_failure.connect(
         _on_task_failure, dispatch_uid="celery_redlock.failure", weak=False
     )
-    celery_signals.worker_process_init.connect(
-        _on_process_init, dispatch_uid="celery_redlock.process_init", weak=False
-    )
     celery_signals.worker_process_shutdown.connect(
         _on_process_shutdown, dispatch_uid="celery_redlock.process_shutdown", weak=False
     )
@@ -287,13 +284,6 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _on_process_init(**_: Any) -> None:
-    """In a prefork pool process: Celery kills a run here at its hard time limit."""
-    from . import task
-
-    task._time_limits_enforced = True
 
 
 def _on_task_revoked(

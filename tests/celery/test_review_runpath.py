@@ -3,6 +3,9 @@
 - A job revoked while another job held its key (it was queued, or waiting in contention
   reschedules) kept its dedupe marker: every identical publish for the next hour returned
   the revoked job, whose body never ran.
+- A prefork run with a hard time limit stopped renewing at the limit, while the main
+  process kills it only when its timer fires: with the main process late (a stall, CPU
+  starvation), the body outlived its lock and another worker's run of the key overlapped.
 - A worker started with a custom node name (``-n a@myservice``) never freed the lock of a
   run killed with its pool process: the main process compared the node name's host part
   with the machine's host name.
@@ -12,13 +15,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
 
 from celery_redlock.testing import wait_for
 
-from .redlock_proj.project import LOOP, LOOPQ
+from .redlock_proj.project import LIMITED, LOOP, LOOPQ
 from .redlock_testkit import ProjEnv
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -84,3 +88,34 @@ def test_a_worker_with_a_custom_node_name_frees_a_killed_runs_lock(
     # pool notices a dead child within a few seconds).
     wait_for(lambda: not _locked(proj_env, "loop:n"), timeout=15, message="lock freed")
     assert "released loop:n" in worker.log
+
+
+def test_a_hard_time_limit_never_lets_the_body_outlive_its_lock(
+    proj_env: ProjEnv, spawn_worker: Any
+) -> None:
+    """lock_ttl 1 s, time_limit 3 s; the worker's main process (which kills the run at the
+    limit) is stopped for 1.5 s around the limit, while its pool child runs on. Another
+    worker's run of the key must not start before the first body stopped."""
+    slow_main = spawn_worker("a", "-c", "1")
+    other_queue = f"{proj_env.queue}-b"  # so that the stopped worker cannot prefetch it
+    spawn_worker("b", "-c", "1", "-Q", other_queue)
+    app = proj_env.client_app()
+    limited = app.tasks[LIMITED]
+    first = limited.apply_async(("tl", 10), time_limit=3)
+    wait_for(lambda: _entered(proj_env, first.id), timeout=20, message="the first run started")
+    entered = time.monotonic()
+    second = limited.apply_async(("tl", 0.3), queue=other_queue)
+    time.sleep(max(0.0, entered + 2.5 - time.monotonic()))  # just before the limit
+    os.kill(slow_main.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)
+    finally:
+        os.kill(slow_main.proc.pid, signal.SIGCONT)
+    assert second.get(timeout=40) == "tl"
+    events = proj_env.events()
+    last_alive = max(e["t"] for e in events if e["task_id"] == first.id and e["event"] == "alive")
+    [second_enter] = [e["t"] for e in events if e["task_id"] == second.id and e["event"] == "enter"]
+    assert second_enter > last_alive, (
+        f"the second run started {(last_alive - second_enter) / 1e6:.0f} ms before the "
+        "time-limited body stopped"
+    )

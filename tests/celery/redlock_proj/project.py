@@ -61,6 +61,8 @@ SOFT = "redlock_proj.soft"
 #: returning how long each ``time.sleep`` really took; and one with ``on_lock_lost="log"``
 #: that returns whether its lease still read as held at the end.
 SLEEPER = "redlock_proj.sleeper"
+#: A 1 s lock TTL, no dedupe; records ``alive`` every 50 ms for ``seconds``.
+LIMITED = "redlock_proj.limited"
 #: Like ``loop``, with the default enqueue dedupe ("queued").
 LOOPQ = "redlock_proj.loopq"
 WATCHER = "redlock_proj.watcher"
@@ -196,6 +198,24 @@ def make_app(env: Mapping[str, str]) -> Celery:
         except LockLostInterrupt:
             record("interrupted", self)
             raise
+        record("exit", self)
+        return name
+
+    @app.task(
+        shared=False,
+        bind=True,
+        base=SingletonTask,
+        name=LIMITED,
+        lock_key="limited:{name}",
+        lock_ttl=1,
+        dedupe=None,
+    )
+    def limited(self: Any, name: str, seconds: float = 10.0) -> str:
+        record("enter", self)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            record("alive", self)
+            time.sleep(0.05)
         record("exit", self)
         return name
 
