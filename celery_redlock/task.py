@@ -846,7 +846,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """
         attempt = int(_header(request, OWN_RUN_HEADER) or 0)
         countdown = min(opts.contention_backoff.delay(attempt), opts.lock_ttl)
-        logger.warning(
+        log = logger.warning if attempt == 0 else logger.debug  # one line per job, not per wait
+        log(
             "%s[%s]: %s is still held by an earlier run of this same job (its worker died?);"
             " waits for that lock to expire, rescheduled in %.2fs",
             self.name,
