@@ -81,6 +81,10 @@ logger = guard(logging.getLogger("celery_redlock.beat"))  # see celery_redlock.r
 OCCURRENCE_HEADER = "redlock_occurrence"
 #: Header of a coalesced late send: how many occurrences it stands for (absent: one).
 CATCH_UP_HEADER = "redlock_catch_up"
+#: Message header: how long the occurrence's claims live (the entry's claim TTL), so the
+#: worker's run claim lives as long as the beat's send claim: a run claim gone before it
+#: would let a new leader take the occurrence for unsent and send it again.
+CLAIM_TTL_HEADER = "redlock_claim_ttl"
 #: Entry option (``options={"redlock_beat": False}``): every beat sends this entry on its
 #: own schedule, with no leader and no claims (as plain Celery beat; N beats, N sends).
 OPT_OUT_OPTION = "redlock_beat"
@@ -525,8 +529,14 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 )
             for occurrence in reversed(missed):
                 logger.warning("beat: sending %s late: nobody sent it when it fell due", occurrence)
-                original(_tagged(entry, occurrence), producer=producer)
-            return None if current is None else original(_tagged(entry, current), producer=producer)
+                original(_tagged(entry, occurrence, claim_ttl=_claim_ttl(entry)), producer=producer)
+            return (
+                None
+                if current is None
+                else original(
+                    _tagged(entry, current, claim_ttl=_claim_ttl(entry)), producer=producer
+                )
+            )
         if mode == "none" or (current is None and not missed):
             if missed:
                 _not_sent(
@@ -535,7 +545,13 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                     f"missed {len(missed)} occurrence(s) ({missed[-1]} .. {missed[0]}) and "
                     "redlock_beat_catch_up is 'none'",
                 )
-            return None if current is None else original(_tagged(entry, current), producer=producer)
+            return (
+                None
+                if current is None
+                else original(
+                    _tagged(entry, current, claim_ttl=_claim_ttl(entry)), producer=producer
+                )
+            )
         latest = current if current is not None else missed[0]
         count = len(missed) + (current is not None)
         if count > 1 or current is None:
@@ -547,7 +563,9 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 count,
                 f" ({missed[-1]} .. {latest})" if count > 1 else "",
             )
-        return original(_tagged(entry, latest, catch_up=count), producer=producer)
+        return original(
+            _tagged(entry, latest, catch_up=count, claim_ttl=_claim_ttl(entry)), producer=producer
+        )
 
     def _interval_ids(entry: Any, newest: int, oldest: int | None = None) -> list[str]:
         """Ids of interval occurrences ``newest`` down to ``oldest`` (or as far back as
@@ -626,9 +644,15 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             if interval <= 0:
                 return
             timestamp = _wall()
-            anchor, created = _anchor(redlock, name, interval, timestamp, anchors, namespace)
+            # A new anchor is this beat's own start of the entry (its last_run_at): slot 1
+            # is then exactly when Celery first runs it. Anchored at this tick instead
+            # (a few ms later), Celery's first run named slot 0, and its realignment made
+            # slot 1 due at once: two sends at the first due time (found by review).
+            started = _last_run_timestamp(entry)
+            anchor_at = started if started is not None and started <= timestamp else timestamp
+            anchor, created = _anchor(redlock, name, interval, anchor_at, anchors, namespace)
             if created:
-                return  # numbered from now: nothing of it fell due yet
+                return  # numbered from its start: nothing of it fell due yet
             latest = math.floor((timestamp - anchor + ALIGN_TOLERANCE) / interval)
             if latest < 0:
                 return
@@ -665,7 +689,10 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                     "before publishing it; a worker drops a second copy)",
                     other,
                 )
-                original(_tagged(entry, other, task_id=task_id), producer=None)
+                original(
+                    _tagged(entry, other, task_id=task_id, claim_ttl=_claim_ttl(entry)),
+                    producer=None,
+                )
 
     def _claim_run(name: str, occurrence: str) -> str | None:
         task_id = uuid()
@@ -674,7 +701,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 occurrence_key(namespace, occurrence),
                 RUN_SUFFIX,
                 task_id,
-                settings.dedupe_ttl,
+                _claim_ttl_of(name),
                 guard_for=_guard_window(leader.lease_ttl),
             )
         except RedlockError as exc:
@@ -725,6 +752,20 @@ def _record_late_send(scheduler: Any, entry: Any) -> None:
         logger.debug("beat: could not record the late send of %s", entry.name, exc_info=True)
 
 
+def _last_run_timestamp(entry: Any) -> float | None:
+    """``entry.last_run_at`` as a unix timestamp (a naive one read as UTC, as Celery's
+    default ``now`` is), or None."""
+    last = getattr(entry, "last_run_at", None)
+    if not isinstance(last, dt.datetime):
+        return None
+    if last.tzinfo is None:
+        last = last.replace(tzinfo=dt.timezone.utc)
+    try:
+        return last.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def _wall() -> float:
     """Wall time: occurrences are named, and due, by the wall clock (beats compare it)."""
     return time.time()  # noqa: TID251 - due times are wall times
@@ -747,7 +788,14 @@ def _copy_entry(entry: Any) -> Any:
     return sent
 
 
-def _tagged(entry: Any, occurrence: str, *, task_id: str | None = None, catch_up: int = 1) -> Any:
+def _tagged(
+    entry: Any,
+    occurrence: str,
+    *,
+    task_id: str | None = None,
+    catch_up: int = 1,
+    claim_ttl: float | None = None,
+) -> Any:
     """A shallow copy of ``entry`` whose message carries the occurrence header (and,
     for a coalesced late send, how many occurrences it stands for)."""
     sent = _copy_entry(entry)
@@ -756,6 +804,8 @@ def _tagged(entry: Any, occurrence: str, *, task_id: str | None = None, catch_up
     headers[OCCURRENCE_HEADER] = occurrence
     if catch_up > 1:
         headers[CATCH_UP_HEADER] = catch_up
+    if claim_ttl is not None:
+        headers[CLAIM_TTL_HEADER] = claim_ttl
     options["headers"] = headers
     if task_id is not None:
         options["task_id"] = task_id
@@ -812,7 +862,9 @@ def on_beat_init(service: Any) -> BeatLeader | None:
     return leader
 
 
-def is_duplicate_occurrence(app: Any, occurrence: str, task_id: str) -> bool:
+def is_duplicate_occurrence(
+    app: Any, occurrence: str, task_id: str, claim_ttl: object = None
+) -> bool:
     """Claim the run of ``occurrence`` for ``task_id``; True if it ran or runs already.
 
     Only a message with another task id is a duplicate: the same task id is the same
@@ -823,11 +875,15 @@ def is_duplicate_occurrence(app: Any, occurrence: str, task_id: str) -> bool:
     redlock = redlock_for(app)
     try:
         settings = get_settings(app)
+        ttl = settings.dedupe_ttl
+        if isinstance(claim_ttl, (int, float)) and not isinstance(claim_ttl, bool):
+            # As long as the beat's claims of the occurrence (bounded like any claim).
+            ttl = max(ttl, min(float(claim_ttl), limits.MAX_CLAIM_TTL))
         holder, _ = redlock.claim(
             occurrence_key(beat_namespace(app), occurrence),
             RUN_SUFFIX,
             task_id,
-            settings.dedupe_ttl,
+            ttl,
             guard_for=_guard_window(settings.beat_lease_ttl),
         )
     except RedlockError as exc:
@@ -867,7 +923,7 @@ def _wrap_strategy(
         occurrence = headers.get(OCCURRENCE_HEADER)
         if occurrence:
             task_id = headers.get("id") or ""
-            if is_duplicate_occurrence(app, occurrence, task_id):
+            if is_duplicate_occurrence(app, occurrence, task_id, headers.get(CLAIM_TTL_HEADER)):
                 logger.warning(
                     "%s[%s]: beat occurrence %s already ran; dropped", name, task_id, occurrence
                 )

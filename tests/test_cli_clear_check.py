@@ -164,6 +164,7 @@ from celery import Celery
 import celery_redlock
 
 app = Celery("cliapp", broker="memory://")
+app.conf.redlock_redis_urls = ["redis://127.0.0.1:1/0"]
 app.conf.redlock_ttl = "30s"
 celery_redlock.install(app)
 """

@@ -558,3 +558,100 @@ def test_database_scheduler_interval_edited_while_running(
     assert all(2.5 < g < 3.5 + SLACK for g in gaps), f"not every 3 s after the edit: {gaps}"
     new = {r["occurrence"].rpartition("#")[0] for r in runs if r["sent_at"] > edited_at + 8}
     assert new == {"db-a"}
+
+
+@pytest.mark.timeout(60)
+def test_a_takeover_never_resends_an_occurrence_that_ran_longer_ago_than_dedupe_ttl(
+    masters: Masters, tmp_path: Any
+) -> None:
+    """Found by review: the worker's run claim lived ``redlock_dedupe_ttl``, the beat's send
+    claim three intervals. An entry every 30 s with a 2 s dedupe TTL: its latest occurrence
+    ran 2.5 s before a takeover; the new leader found the run claim gone, took the
+    occurrence for unsent ("sending ... again") and the worker ran it twice."""
+    from celery import Celery
+    from celery import signals as celery_signals
+    from celery.beat import Service
+
+    import celery_redlock
+    from celery_redlock import Redlock
+    from celery_redlock.beat import anchor_key, is_duplicate_occurrence, occurrence_key
+
+    app = Celery("rerun", broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=3,
+        redlock_dedupe_ttl=2,
+        beat_schedule={"e": {"task": "x.y", "schedule": 30.0}},
+    )
+    celery_redlock.install(app)
+    anchor = now() - 65.0  # e#2 fell due 5 s ago; e#3 is 25 s away
+    with contextlib.closing(Redlock(masters.urls)) as rl:
+        rl.claim(anchor_key("rerun", "e"), "anchor:30", f"{anchor:.6f}", 3600)
+        for index in range(3):
+            rl.claim(occurrence_key("rerun", f"e#{index}"), "sent", "dead-leader", 90)
+    # The worker ran e#2 (its message carried the entry's claim TTL, 90 s).
+    assert not is_duplicate_occurrence(app, "e#2", "task-2", 90.0)
+    observe(2.5)  # longer than redlock_dedupe_ttl
+    published: list[str] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append(headers["redlock_occurrence"])
+
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        service.scheduler.tick()  # the first tick of the term runs the catch-up
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        service._redlock_leader.stop()
+        service.scheduler.close()
+    assert published == [], "an occurrence that already ran was sent again"
+    # And a worker meeting a copy of e#2 still drops it.
+    assert is_duplicate_occurrence(app, "e#2", "another-task", 90.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_new_entry_is_sent_once_at_its_first_due_time(masters: Masters, tmp_path: Any) -> None:
+    """Found by review: a fresh beat anchored a new entry at its first tick, a few ms after
+    Celery's own start of the entry; Celery's first run then named slot 0 and the
+    realignment made slot 1 due at once: two sends milliseconds apart."""
+    from celery import Celery
+    from celery import signals as celery_signals
+    from celery.beat import Service
+
+    import celery_redlock
+
+    app = Celery("firstdue", broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=3,
+        beat_schedule={"e": {"task": "x.y", "schedule": 2.0}},
+    )
+    celery_redlock.install(app)
+    sent: list[tuple[str, float]] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            sent.append((headers["redlock_occurrence"], now()))
+
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        started = now()
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        # Run the scheduler as beat does, for 3.2 s: one due time (at 2 s), not two.
+        while now() - started < 3.2:
+            # As beat's loop does: sleep exactly until the next due time (a beat is late by
+            # the wake-up latency only, well under the gap the old anchor left).
+            wait = service.scheduler.tick()
+            observe(max(0.0, min(wait or 0.0, 3.2 - (now() - started), 1.0)))
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        service._redlock_leader.stop()
+        service.scheduler.close()
+    assert [name for name, _ in sent] == ["e#1"], sent
+    assert 1.9 <= sent[0][1] - started <= 2.6

@@ -138,11 +138,24 @@ def forget_results(apps: list[Celery], server: RedisServer) -> None:
             category=ResourceWarning,
         )
         gc.collect()
-    for app in apps:
-        consumer = getattr(app.backend, "result_consumer", None)
-        subscribed = getattr(consumer, "subscribed_to", None)
-        if subscribed is not None:
-            subscribed.clear()
+    # app.backend is per thread: an in-process worker's threads have result consumers of
+    # their own, which the app's own backend does not reach. Find them all.
+    from celery.backends.redis import ResultConsumer
+
+    consumers = [
+        app.backend.result_consumer for app in apps if hasattr(app.backend, "result_consumer")
+    ]
+    consumers += [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, ResultConsumer) and getattr(obj, "app", None) in apps
+    ]
+    for consumer in consumers:
+        consumer.subscribed_to.clear()
+        # A thread still unwinding (a job republished after the test) would subscribe
+        # again, and a straggler's unsubscribe would then reach a server that is gone.
+        consumer.consume_from = lambda task_id: None
+        consumer.cancel_for = lambda task_id: None
 
 
 class TestApp(Celery):  # type: ignore[misc]
