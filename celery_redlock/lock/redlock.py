@@ -16,7 +16,7 @@ from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
 from ..redact import guard
-from . import heartbeat, limits, process, scripts
+from . import heartbeat, limits, process, scripts, waiting
 from . import master as master_mod
 from .fanout import Lane, RoundResult, Validator, run_round
 from .lease import Lease
@@ -694,7 +694,13 @@ class Redlock:
         that master failing, never as a vote.
         """
         spin_wait = self.spin_wait
-        spin = spin_wait if spin_wait and self._reply_wait <= spin_wait else 0.0
+        # Polling pays while replies come quickly and a core is idle to poll on; with
+        # every core busy it would take CPU from the masters and the task bodies.
+        spin = (
+            spin_wait
+            if spin_wait and self._reply_wait <= spin_wait and not waiting.cores_busy()
+            else 0.0
+        )
         result = run_round(
             lane.links,
             payloads,
