@@ -77,8 +77,10 @@ class Redlock:
         replies typically come within that time (masters on this host or a fast
         LAN): waking a sleeping thread costs more than such a wait. Adaptive: the
         client keeps a moving average of how long rounds wait and polls only while
-        it stays at or below ``spin_wait``, so slower links never burn CPU on it.
-        0 turns it off.
+        it stays at or below ``spin_wait``, so slower links never burn CPU on it,
+        and not while every core is busy (the 1-minute load average is at least the
+        cores this process may use): polling would then take CPU from processes that
+        have work. 0 turns it off.
 
     One instance is safe to share between threads and survives ``fork()``: the
     child opens its own connections and holds none of the parent's leases.
