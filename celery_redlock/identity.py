@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -101,6 +102,7 @@ class UndecodableArguments(ValueError):
     the worker will drop the message, so no dedupe marker may stand for it."""
 
 
+@functools.lru_cache(maxsize=1024)  # per task name, on every publish and every run
 def dedupe_suffix(task_name: str) -> str:
     """The suffix of ``task_name``'s dedupe marker: ``dedupe:<task name>``.
 

@@ -66,6 +66,8 @@ class MemoryRedlock(Redlock):
         #: lock key -> last fencing token handed out (never forgotten: tokens only grow)
         self._fences: dict[str, int] = {}
         self._fence_seed = itertools.count(1)
+        #: lock key -> its Redis key names (see Redlock._keys, which claims use too)
+        self._names: dict[str, tuple[str, str, str]] = {}
 
     def __repr__(self) -> str:
         return f"<MemoryRedlock prefix {self.key_prefix!r}: {len(self._values)} keys>"

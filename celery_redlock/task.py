@@ -601,15 +601,16 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease.on_lost(
             lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
         )
-        since = _rescheduled_since(request)
-        signals.lock_acquired.send(
-            sender=self,
-            key=key,
-            lease=lease,
-            task_id=task_id,
-            waited=time.monotonic() - started,
-            rescheduled_for=0.0 if since is None else max(0.0, time.time() - since),  # noqa: TID251 - across hosts
-        )
+        if signals.lock_acquired.receivers:  # its arguments cost: only for a receiver
+            since = _rescheduled_since(request)
+            signals.lock_acquired.send(
+                sender=self,
+                key=key,
+                lease=lease,
+                task_id=task_id,
+                waited=time.monotonic() - started,
+                rescheduled_for=0.0 if since is None else max(0.0, time.time() - since),  # noqa: TID251 - across hosts
+            )
         try:
             return self.run(*args, **kwargs)
         except LockLostInterrupt as exc:
@@ -691,14 +692,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             confirmed = lease.release()
         else:
             lease.release(wait=False)
-        signals.lock_released.send(
-            sender=self,
-            key=lease.key,
-            lease=lease,
-            task_id=request.id,
-            held_for=time.monotonic() - lease.acquired_at,
-            confirmed=confirmed,
-        )
+        if signals.lock_released.receivers:
+            signals.lock_released.send(
+                sender=self,
+                key=lease.key,
+                lease=lease,
+                task_id=request.id,
+                held_for=time.monotonic() - lease.acquired_at,
+                confirmed=confirmed,
+            )
 
     def _on_lost(
         self,

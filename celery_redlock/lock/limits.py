@@ -81,10 +81,16 @@ def seconds(
     not an int or float (a bool or a str included) and ``ValueError`` for NaN, infinities
     and numbers outside the range; both messages name ``name`` and the accepted range.
     """
-    accepted = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'} {unit}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number in {accepted} (int or float), got {value!r}")
-    number = float(value)
+    kind = type(value)
+    # The usual types are checked first: this runs several times per lock operation.
+    if (kind is not float and kind is not int) and (
+        isinstance(value, bool) or not isinstance(value, int | float)
+    ):
+        raise TypeError(
+            f"{name} must be a number in {_range(low, high, low_open, high_open, unit)} "
+            f"(int or float), got {value!r}"
+        )
+    number = float(value)  # type: ignore[arg-type]  # an int or a float, checked above
     if (
         not math.isfinite(number)
         or number < low
@@ -92,5 +98,13 @@ def seconds(
         or (low_open and number == low)
         or (high_open and number == high)
     ):
-        raise ValueError(f"{name} must be a finite number in {accepted}, got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number in {_range(low, high, low_open, high_open, unit)}, "
+            f"got {value!r}"
+        )
     return number
+
+
+def _range(low: float, high: float, low_open: bool, high_open: bool, unit: str) -> str:
+    """The accepted range as error messages show it: ``[0.01, 86400] seconds``."""
+    return f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'} {unit}"

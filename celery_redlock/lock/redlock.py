@@ -16,7 +16,7 @@ from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
 from ..redact import guard
-from . import heartbeat, limits, process, scripts
+from . import heartbeat, limits, process, scripts, waiting
 from . import master as master_mod
 from .fanout import Lane, RoundResult, Validator, run_round
 from .lease import Lease
@@ -77,8 +77,10 @@ class Redlock:
         replies typically come within that time (masters on this host or a fast
         LAN): waking a sleeping thread costs more than such a wait. Adaptive: the
         client keeps a moving average of how long rounds wait and polls only while
-        it stays at or below ``spin_wait``, so slower links never burn CPU on it.
-        0 turns it off.
+        it stays at or below ``spin_wait``, so slower links never burn CPU on it,
+        and not while every core is busy (the 1-minute load average is at least the
+        cores this process may use): polling would then take CPU from processes that
+        have work. 0 turns it off.
 
     One instance is safe to share between threads and survives ``fork()``: the
     child opens its own connections and holds none of the parent's leases.
@@ -423,7 +425,6 @@ class Redlock:
         name = self._claim_name(key, suffix)
         ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
         payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
-        undo = (scripts.UNCLAIM.call(1, name, value), 1)
         ours = value.encode()
         n, q = len(self.masters), self.quorum
 
@@ -473,6 +474,7 @@ class Redlock:
                 }
                 mine |= {i for i in result.errors if lane.links[i].connected} | result.not_waited
                 if mine:
+                    undo = (scripts.UNCLAIM.call(1, name, value), 1)
                     # Lost to another claimant: nothing of ours follows the undo, and
                     # later commands on these connections run after it, so it is not
                     # waited for (a slow master would otherwise cost every lost claim
@@ -572,7 +574,10 @@ class Redlock:
             raise TypeError(f"a companion's value must be a str, got {value!r}")
 
     def _claim_name(self, key: str, suffix: str) -> str:
-        return redis_key(self.key_prefix, key, _own_suffix(suffix))
+        # The lock's own name (prefix checked in __init__, key here, both cached) plus
+        # the suffix: what redis_key(prefix, key, suffix) returns, without re-checking
+        # the prefix on every claim.
+        return f"{self._keys(key)[0]}:{_own_suffix(suffix)}"
 
     def lock_key(self, key: str) -> str:
         """The Redis key of the lock on ``key``."""
@@ -691,7 +696,13 @@ class Redlock:
         that master failing, never as a vote.
         """
         spin_wait = self.spin_wait
-        spin = spin_wait if spin_wait and self._reply_wait <= spin_wait else 0.0
+        # Polling pays while replies come quickly and a core is idle to poll on; with
+        # every core busy it would take CPU from the masters and the task bodies.
+        spin = (
+            spin_wait
+            if spin_wait and self._reply_wait <= spin_wait and not waiting.cores_busy()
+            else 0.0
+        )
         result = run_round(
             lane.links,
             payloads,
@@ -1220,12 +1231,22 @@ def _own_suffix(suffix: str) -> str:
     the lock's metadata or fence counter, a companion deleted with the lock would take
     the fence counter with it.
     """
+    if suffix in _checked_suffixes:
+        return suffix
     if suffix in RESERVED_SUFFIXES:
         raise ValueError(
             f"suffix {suffix!r} is the lock's own ({', '.join(sorted(RESERVED_SUFFIXES))}"
             " are reserved): a claim or companion there would overwrite its metadata or fence"
         )
-    return validate_suffix(suffix)
+    validate_suffix(suffix)
+    if len(_checked_suffixes) >= NAMES_CACHED:
+        _checked_suffixes.clear()
+    _checked_suffixes.add(suffix)
+    return suffix
+
+
+#: Suffixes :func:`_own_suffix` accepted (a few per task: checked once, not per call).
+_checked_suffixes: set[str] = set()
 
 
 def _fence_proposal() -> int:

@@ -23,13 +23,21 @@ waits on one.
 
 from __future__ import annotations
 
+import math
+import os
 import select
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["readable", "writable"]
+__all__ = ["cores_busy", "readable", "writable"]
+
+#: Seconds between two reads of the load average by :func:`cores_busy`.
+LOAD_CHECK_PERIOD = 1.0
+_load_checked_at = -math.inf
+_busy = False
 
 _READ = (
     select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -128,3 +136,26 @@ def readable(socks: Sequence[socket.socket], timeout: float) -> list[socket.sock
 def writable(socks: Sequence[socket.socket], timeout: float) -> list[socket.socket]:
     """The sockets of ``socks`` that can be written to (or failed), within ``timeout`` s."""
     return _wait(socks, _WRITE, timeout, write=True)
+
+
+def cores_busy() -> bool:
+    """True while the machine's 1-minute load average is at least the cores this process
+    may run on: every core has a runnable process, so a thread polling for replies
+    (``spin_wait``) would take CPU from the processes that have work, masters and task
+    bodies included, rather than from idle time. Read at most once per
+    :data:`LOAD_CHECK_PERIOD`; False where the load average cannot be read.
+    """
+    global _load_checked_at, _busy
+    now = time.monotonic()
+    if now - _load_checked_at < LOAD_CHECK_PERIOD:
+        return _busy
+    _load_checked_at = now
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        _busy = False
+        return _busy
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    _busy = load >= cores
+    return _busy

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_redlock.lock import Redlock
+from celery_redlock.lock import Redlock, waiting
 from celery_redlock.lock import master as master_module
 from celery_redlock.testing import Masters
 
@@ -48,7 +48,9 @@ def test_a_connect_costs_one_round_trip(slow_masters: ProxyProcess) -> None:
 
 
 @pytest.mark.parametrize("spin_wait", [0.002, 0.2], ids=["adaptive", "control: polls throughout"])
-def test_slow_replies_stop_the_polling(slow_masters: ProxyProcess, spin_wait: float) -> None:
+def test_slow_replies_stop_the_polling(
+    slow_masters: ProxyProcess, spin_wait: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Masters whose replies come later than ``spin_wait`` cost no polling CPU.
 
     The proxy holds every reply 10 ms. With ``spin_wait`` = 2 ms the client stops polling
@@ -57,6 +59,7 @@ def test_slow_replies_stop_the_polling(slow_masters: ProxyProcess, spin_wait: fl
     on a CPU most of the time.
     """
     slow_masters.set("*", "delay", 0, 0.01)
+    monkeypatch.setattr(waiting, "cores_busy", lambda: False)  # whatever else this host runs
     rl = Redlock(slow_masters.urls(), node_timeout=0.3, spin_wait=spin_wait)
     try:
         for i in range(12):  # long enough for the moving average to settle
@@ -72,3 +75,24 @@ def test_slow_replies_stop_the_polling(slow_masters: ProxyProcess, spin_wait: fl
         assert busy < 0.1, f"on CPU {busy:.0%} of the time"
     else:
         assert busy > 0.5, f"on CPU {busy:.0%} of the time"
+
+
+def test_busy_cores_stop_the_polling(
+    slow_masters: ProxyProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every core busy (load average >= cores) a round sleeps instead of polling,
+    even where polling would go on (the control above): it would take the CPU from the
+    masters and task bodies."""
+    slow_masters.set("*", "delay", 0, 0.01)
+    # raising=False: before the fix there was nothing to patch, and the round polled
+    monkeypatch.setattr(waiting, "cores_busy", lambda: True, raising=False)
+    rl = Redlock(slow_masters.urls(), node_timeout=0.3, spin_wait=0.2)
+    try:
+        rl.acquire("settle", 5).release()
+        cpu, wall = time.thread_time(), time.monotonic()
+        for i in range(20):
+            rl.acquire(f"busy-{i}", 5).release()
+        busy = (time.thread_time() - cpu) / (time.monotonic() - wall)
+    finally:
+        rl.close()
+    assert busy < 0.1, f"on CPU {busy:.0%} of the time"
