@@ -116,7 +116,13 @@ def test_a_retry_past_max_retries_keeps_the_lock_and_clears_the_active_marker(
     marker = redis_key("redlock", "sync:1", sync.dedupe_suffix())
     with run_worker(app):
         result = sync.delay(1)
-        wait_for(lambda: result.state == "FAILURE", timeout=20, message="retries used up")
+        # Not result.state: Celery stores RETRY after it publishes the retry, so the
+        # retry's FAILURE can land first and be overwritten by RETRY (Celery's own race).
+        wait_for(
+            lambda: [s.task_id for s in recorder.spans] == [result.id] * 2,
+            timeout=20,
+            message="retries used up",
+        )
         wait_for(lambda: not env.on_quorum(lock), timeout=5, message="lock released")
         wait_for(lambda: not env.on_quorum(marker), timeout=5, message="marker cleared")
         again = sync.delay(1)
