@@ -147,6 +147,7 @@ class MemoryRedlock(Redlock):
             renew_every=checked.renew_every,
             max_hold=max_hold,
             auto_renew=auto_renew,
+            renew_every_default=checked.renew_every_default,
         )
         return lease
 

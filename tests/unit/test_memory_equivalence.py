@@ -181,3 +181,21 @@ def test_both_backends_refuse_the_same_acquire_arguments_alike(
         assert refused[0] == refused[1]
     finally:
         real.close()
+
+
+@pytest.mark.parametrize("renew_every", [None, 5.0])
+def test_both_backends_keep_or_follow_renew_every_alike_on_extend(
+    one_master: Masters, renew_every: float | None
+) -> None:
+    # Left to its default, renew_every follows a new TTL (ttl/3); given, it is kept.
+    real = Redlock(one_master.urls)
+    try:
+        answers = []
+        for redlock in (real, MemoryRedlock()):
+            lease = redlock.acquire("report", 30, renew_every=renew_every)
+            lease.extend(60)
+            answers.append(lease.renew_every)
+            lease.release()
+        assert answers[0] == answers[1] == (20.0 if renew_every is None else renew_every)
+    finally:
+        real.close()
