@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from .exceptions import ImproperlyConfigured, LockContended, LockLost
 from .keys import validate_prefix
-from .lock import limits, process, scripts
+from .lock import limits, process
 from .lock.lease import Lease
 from .lock.master import MasterStatus
 from .lock.redlock import Redlock
@@ -111,28 +111,10 @@ class MemoryRedlock(Redlock):
         clear_companion: tuple[str, str] | None = None,
     ) -> Lease:
         """:meth:`Redlock.acquire`, in this process (same arguments, same errors)."""
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"key must be a non-empty str, got {key!r}")
-        ttl = self._check_ttl("ttl", ttl)
-        if blocking_timeout is not None:
-            blocking_timeout = limits.seconds(
-                "blocking_timeout", blocking_timeout, 0.0, limits.MAX_BLOCKING_TIMEOUT
-            )
-        if max_hold is not None:
-            max_hold = limits.seconds("max_hold", max_hold, 0.0, limits.MAX_HOLD, low_open=True)
-        if renew_every is None:
-            renew_every = max(ttl / 3, limits.MIN_RENEW_EVERY)
-        else:
-            renew_every = limits.seconds(
-                "renew_every", renew_every, limits.MIN_RENEW_EVERY, ttl, high_open=True
-            )
-        if clear_companion is not None:
-            self._check_companion(clear_companion)
-        fields = {str(k): str(v) for k, v in (meta or {}).items()}
-        if scripts.EXTENSION_FIELD in fields:
-            raise ValueError(
-                f"meta: the field {scripts.EXTENSION_FIELD!r} is reserved for the lock itself"
-            )
+        checked = self._acquire_arguments(
+            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion
+        )
+        ttl, blocking_timeout, max_hold = checked.ttl, checked.blocking_timeout, checked.max_hold
         name = self.lock_key(key)
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         while True:
@@ -145,7 +127,7 @@ class MemoryRedlock(Redlock):
                         expiry = now + ttl
                     token = process.token_hex()
                     self._values[name] = (token, expiry)
-                    self._meta[f"{name}:meta"] = fields
+                    self._meta[f"{name}:meta"] = checked.fields
                     if clear_companion is not None:
                         self._delete_if(
                             self._claim_name(key, clear_companion[0]), clear_companion[1]
@@ -162,9 +144,10 @@ class MemoryRedlock(Redlock):
             deadline=expiry,
             acquired_at=now,
             lane=cast("Any", None),
-            renew_every=renew_every,
+            renew_every=checked.renew_every,
             max_hold=max_hold,
             auto_renew=auto_renew,
+            renew_every_default=checked.renew_every_default,
         )
         return lease
 

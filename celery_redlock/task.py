@@ -930,13 +930,28 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if holder != task_id:
             logger.info("%s[%s]: retry queued beside job %s (%s)", self.name, task_id, holder, key)
 
-    def _drop_dedupe_marker(self, key: str, opts: TaskOptions, task_id: str | None) -> None:
-        if opts.dedupe is None or not task_id:
+    def _drop_dedupe_marker(
+        self, key: str, opts: TaskOptions | None, task_id: str | None, why: str = ""
+    ) -> None:
+        """Best effort: remove the dedupe marker of ``key`` if it names ``task_id``.
+
+        ``opts=None`` when the job's options are not known (the main process after a
+        kill: a per-call ``dedupe`` travels in a header it may not have): the marker is
+        removed whatever ``dedupe`` says. A failure is logged, never raised.
+        """
+        if (opts is not None and opts.dedupe is None) or not task_id:
             return
         try:
             redlock_for(self.app).unclaim(key, self.dedupe_suffix(), task_id)
         except Exception:
-            logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
+            logger.warning(
+                "%s[%s]: could not clear dedupe marker of %s%s",
+                self.name,
+                task_id,
+                key,
+                f" after {why}" if why else "",
+                exc_info=True,
+            )
 
     def _store_skipped(self, request: Any, key: str, opts: TaskOptions) -> None:
         """Store what ``skip_result`` says: FAILURE with :class:`LockContended` (a ready

@@ -179,13 +179,13 @@ def _release_killed(task: Any, request: Any, why: str) -> None:
         return
     if found is None:
         logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
-        _drop_marker(task, key, task_id, why)
+        task._drop_dedupe_marker(key, None, task_id, why)
         return
     token, meta = found
     if meta["task_id"] != task_id:
         # Another job holds the key (this one was revoked while queued or waiting on
         # contention): its lock is not ours to free, but this job's own marker is.
-        _drop_marker(task, key, task_id, why)
+        task._drop_dedupe_marker(key, None, task_id, why)
         return
     if not _same_worker(meta["host"], request) or not meta["pid"].isdigit():
         return  # a run of this job on another worker (a redelivery elsewhere)
@@ -252,18 +252,7 @@ def _release_token(task: Any, key: str, token: str, task_id: str, why: str) -> N
             logger.info("%s[%s]: %s was already free after %s", task.name, task_id, key, why)
     except Exception:
         logger.warning("%s[%s]: could not release after %s", task.name, task_id, why, exc_info=True)
-    _drop_marker(task, key, task_id, why)
-
-
-def _drop_marker(task: Any, key: str, task_id: str, why: str) -> None:
-    from .client import redlock_for
-
-    try:
-        redlock_for(task.app).unclaim(key, task.dedupe_suffix(), task_id)
-    except Exception:
-        logger.warning(
-            "%s[%s]: could not clear marker after %s", task.name, task_id, why, exc_info=True
-        )
+    task._drop_dedupe_marker(key, None, task_id, why)
 
 
 def _process_alive(pid: int) -> bool:

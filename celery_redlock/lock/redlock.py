@@ -10,7 +10,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
-from typing import cast
+from typing import NamedTuple, cast
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -51,6 +51,19 @@ _instances: weakref.WeakSet[Redlock] = weakref.WeakSet()
 
 #: Suffixes of the keys a lock keeps beside itself; ``claim`` refuses them.
 RESERVED_SUFFIXES = frozenset({"meta", "fence"})
+
+
+class AcquireArguments(NamedTuple):
+    """:meth:`Redlock.acquire`'s arguments, checked, with their defaults filled in."""
+
+    ttl: float
+    blocking_timeout: float | None
+    max_hold: float | None
+    renew_every: float
+    #: whether ``renew_every`` was left to its default (ttl/3, followed on extend)
+    renew_every_default: bool
+    #: ``meta`` as the str fields stored beside the lock
+    fields: dict[str, str]
 
 
 class Redlock:
@@ -211,6 +224,60 @@ class Redlock:
         None or in [0, 7 days]; ``max_hold`` None or in (0, 30 days]; ``renew_every`` in
         [0.01, ``ttl``).
         """
+        checked = self._acquire_arguments(
+            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion
+        )
+        ttl, blocking_timeout, max_hold = checked.ttl, checked.blocking_timeout, checked.max_hold
+        companion = ("dedupe", "") if clear_companion is None else clear_companion
+        meta_args: list[str] = [companion[0], companion[1]]
+        for field, value in checked.fields.items():
+            meta_args += [field, value]
+        deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
+        attempt = 0
+        while True:
+            try:
+                # A fresh token per attempt: the undo of a failed attempt (queued on its
+                # lane's connections, which may deliver it late) can then only ever delete
+                # that attempt's own key, never the one a later attempt won.
+                lease = self._try_acquire(
+                    key, process.token_hex(), ttl, meta_args, checked.renew_every, max_hold
+                )
+                break
+            except (LockContended, QuorumUnavailable):
+                if blocking_timeout == 0:
+                    raise
+                pause = full_jitter(attempt, RETRY_BASE, RETRY_CAP)
+                attempt += 1
+                if deadline is not None:
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        raise
+                    pause = min(pause, left)
+                time.sleep(pause)
+        lease._renew_every_default = checked.renew_every_default
+        self._granted(ttl)
+        if auto_renew:
+            lease.auto_renew = True
+            self._engine().add(lease)
+        return lease
+
+    def _acquire_arguments(
+        self,
+        key: str,
+        ttl: float,
+        blocking_timeout: float | None,
+        max_hold: float | None,
+        renew_every: float | None,
+        meta: Mapping[str, str] | None,
+        clear_companion: tuple[str, str] | None,
+    ) -> AcquireArguments:
+        """Check :meth:`acquire`'s arguments and fill in its defaults.
+
+        The one place they are checked, for every backend (the in-process one calls it
+        too), so each refuses the same values with the same message.
+
+        :raises TypeError, ValueError: naming the argument (see :meth:`acquire`).
+        """
         if not isinstance(key, str) or not key:
             raise TypeError(f"key must be a non-empty str, got {key!r}")
         ttl = self._check_ttl("ttl", ttl)
@@ -227,41 +294,16 @@ class Redlock:
             renew_every = limits.seconds(
                 "renew_every", renew_every, limits.MIN_RENEW_EVERY, ttl, high_open=True
             )
-        companion = ("dedupe", "") if clear_companion is None else clear_companion
-        self._check_companion(companion)
-        meta_args: list[str] = [companion[0], companion[1]]
+        if clear_companion is not None:
+            self._check_companion(clear_companion)
+        fields: dict[str, str] = {}
         for field, value in (meta or {}).items():
             if str(field) == scripts.EXTENSION_FIELD:
                 raise ValueError(f"meta: the field {field!r} is reserved for the lock itself")
-            meta_args += [str(field), str(value)]
-        deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
-        attempt = 0
-        while True:
-            try:
-                # A fresh token per attempt: the undo of a failed attempt (queued on its
-                # lane's connections, which may deliver it late) can then only ever delete
-                # that attempt's own key, never the one a later attempt won.
-                lease = self._try_acquire(
-                    key, process.token_hex(), ttl, meta_args, renew_every, max_hold
-                )
-                break
-            except (LockContended, QuorumUnavailable):
-                if blocking_timeout == 0:
-                    raise
-                pause = full_jitter(attempt, RETRY_BASE, RETRY_CAP)
-                attempt += 1
-                if deadline is not None:
-                    left = deadline - self._clock()
-                    if left <= 0:
-                        raise
-                    pause = min(pause, left)
-                time.sleep(pause)
-        lease._renew_every_default = renew_every_default
-        self._granted(ttl)
-        if auto_renew:
-            lease.auto_renew = True
-            self._engine().add(lease)
-        return lease
+            fields[str(field)] = str(value)
+        return AcquireArguments(
+            ttl, blocking_timeout, max_hold, renew_every, renew_every_default, fields
+        )
 
     def _check_ttl(self, name: str, ttl: object) -> float:
         value = limits.seconds(name, ttl, limits.MIN_TTL, limits.MAX_TTL)

@@ -19,7 +19,7 @@ import itertools
 import math
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -65,6 +65,27 @@ def start_beats(cluster: Cluster, *names: str) -> None:
         cluster.beat(name).wait_log(LEADER_LINE if i == 0 else STANDBY_LINE, timeout=60)
 
 
+def fast_entries_running(cluster_factory: Callable[..., Cluster]) -> Cluster:
+    """A worker and two beats on SCHEDULE (``beat-a`` leads), once each entry ran 4 times."""
+    cluster = cluster_factory(lease_ttl=TTL, schedule=SCHEDULE)
+    cluster.worker()
+    start_beats(cluster, "beat-a", "beat-b")
+    cluster.wait_runs(sends_after(cluster, 4, 0.0), timeout=60, what="4 runs per entry")
+    return cluster
+
+
+def stop_beats(cluster: Cluster, entries: Sequence[str]) -> list[dict[str, Any]]:
+    """Kill the beats, let the worker run what they sent, and return every run, checked
+    by :func:`occurrence_problems`: every occurrence ran once, and the interval ``entries``
+    have no gap in their occurrences."""
+    for proc in cluster.procs[1:]:
+        proc.kill()
+    runs = cluster.drain()
+    problems = occurrence_problems(runs, entries)
+    assert not problems, "\n".join(problems)
+    return runs
+
+
 def bursts(runs: list[dict[str, Any]], after: float) -> dict[str, list[float]]:
     """Per entry, the gaps (s) between consecutive sends after ``after`` that are bursts."""
     out: dict[str, list[float]] = {}
@@ -104,20 +125,12 @@ def test_leader_kill_sends_one_coalesced_late_send_per_entry(
     before the standby takes over. It sends one late send per entry standing for all of
     them (the ``redlock_catch_up`` header), then the schedule on time: never two sends of
     an entry within ``BURST`` s, and every occurrence is sent or stood for, once."""
-    cluster = cluster_factory(lease_ttl=TTL, schedule=SCHEDULE)
-    cluster.worker()
-    start_beats(cluster, "beat-a", "beat-b")
-    cluster.wait_runs(sends_after(cluster, 4, 0.0), timeout=60, what="4 runs per entry")
+    cluster = fast_entries_running(cluster_factory)
     killed_at = next(p for p in cluster.procs if p.name == "beat-a").kill()
     cluster.wait_runs(
         sends_after(cluster, 6, killed_at, by="beat-b"), timeout=60, what="6 sends after takeover"
     )
-    for proc in cluster.procs[1:]:
-        proc.kill()
-    runs = cluster.drain()
-
-    problems = occurrence_problems(runs, ENTRIES)
-    assert not problems, "\n".join(problems)
+    runs = stop_beats(cluster, ENTRIES)
     assert not bursts(runs, killed_at), f"burst after the takeover: {bursts(runs, killed_at)}"
     stood_for = coalesced(runs, killed_at)
     # TTL 3 s at 0.5 s: at least 4 occurrences fell due with nobody leading.
@@ -139,10 +152,7 @@ def test_after_a_masters_outage_either_leader_sends_one_late_send(
     """All masters paused for 2 x TTL (every lease runs out). Whichever beat leads
     afterwards (forced: the other one is SIGSTOPped until the winner leads) sends one
     late send per entry standing for the outage, never a burst and never nothing."""
-    cluster = cluster_factory(lease_ttl=TTL, schedule=SCHEDULE)
-    cluster.worker()
-    start_beats(cluster, "beat-a", "beat-b")
-    cluster.wait_runs(sends_after(cluster, 4, 0.0), timeout=60, what="4 runs per entry")
+    cluster = fast_entries_running(cluster_factory)
     loser = cluster.procs[2] if winner == "old-leader" else cluster.procs[1]
     winner_name = "beat-a" if winner == "old-leader" else "beat-b"
     masters: Masters = cluster.masters_servers  # type: ignore[attr-defined]
@@ -161,12 +171,7 @@ def test_after_a_masters_outage_either_leader_sends_one_late_send(
     )
     loser.resume()
     observe(2)
-    for proc in cluster.procs[1:]:
-        proc.kill()
-    runs = cluster.drain()
-
-    problems = occurrence_problems(runs, ENTRIES)
-    assert not problems, "\n".join(problems)
+    runs = stop_beats(cluster, ENTRIES)
     assert not bursts(runs, paused_at), f"burst after the outage: {bursts(runs, paused_at)}"
     stood_for = coalesced(runs, resumed_at)
     # 6 s at 0.5 s: about 12 occurrences fell due while no claim could be made.
@@ -426,12 +431,8 @@ def test_database_scheduler_one_off_due_with_no_leader_is_sent_once_later(
         40,
         "5 db-a runs after",
     )
-    for proc in cluster.procs[1:]:
-        proc.kill()
-    runs = cluster.drain()
+    runs = stop_beats(cluster, ())
     assert [r["kind"] for r in runs].count("once") == 1, "one-off not sent exactly once"
-    problems = occurrence_problems(runs, ())
-    assert not problems, "\n".join(problems)
     rows = _db_rows(cluster)
     assert rows["once"][1] is False, "the one-off task is still enabled after its run"
     sent = sum(r["kind"] == "db-a" for r in runs)
@@ -546,11 +547,7 @@ def test_database_scheduler_interval_edited_while_running(
         60,
         "4 runs at 3 s after the edit",
     )
-    for proc in cluster.procs[1:]:
-        proc.kill()
-    runs = cluster.drain()
-    problems = occurrence_problems(runs, ())
-    assert not problems, "\n".join(problems)
+    runs = stop_beats(cluster, ())
     settled = sorted(
         r["sent_at"] for r in runs if r["kind"] == "db-a" and r["sent_at"] > edited_at + 8
     )

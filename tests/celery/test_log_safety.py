@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,12 @@ from typing import Any
 
 import pytest
 import redis
-from redis import connection as redis_connection
 
 import celery_redlock
 from celery_redlock import SingletonTask
 from celery_redlock.testing import wait_for
 
+from ..secret_masters import SECRETS, print_passwords_in_reprs, unreachable_masters
 from .redlock_testkit import CeleryEnv, SignalLog, opened_on_exit, run_worker
 
 pytestmark = pytest.mark.timeout(90)
@@ -89,9 +88,7 @@ def _lines(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> list[
 @pytest.fixture
 def old_redis_repr(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this redis-py print passwords in its reprs, as redis-py < 7.4 did."""
-    monkeypatch.setattr(
-        redis_connection.ConnectionPool, "SENSITIVE_REPR_KEYS", frozenset(), raising=False
-    )
+    print_passwords_in_reprs(monkeypatch)
 
 
 # -- injection -----------------------------------------------------------------------------
@@ -220,38 +217,6 @@ def test_a_contention_storm_logs_a_bounded_number_of_lines(
 
 # -- passwords -----------------------------------------------------------------------------
 
-SENTINEL_PASSWORD = "sentinel-pw-4f1c"
-MASTER_PASSWORD = "master-pw-93ab"
-URL_PASSWORD = "url-pw-77d0"
-DICT_PASSWORD = "dict-pw-15e2"
-SECRETS = (SENTINEL_PASSWORD, MASTER_PASSWORD, URL_PASSWORD, DICT_PASSWORD)
-
-
-def _unreachable_masters() -> list[Any]:
-    # Nothing listens on these ports: each master fails with redis-py's error text.
-    ports = _free_ports(3)
-    return [
-        {
-            "sentinels": [["127.0.0.1", ports[0]]],
-            "service_name": "mymaster",
-            "password": MASTER_PASSWORD,
-            "sentinel_kwargs": {"password": SENTINEL_PASSWORD},
-        },
-        f"redis://:{URL_PASSWORD}@127.0.0.1:{ports[1]}/0",
-        {"host": "127.0.0.1", "port": ports[2], "password": DICT_PASSWORD},
-    ]
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
 
 def test_no_password_reaches_logs_result_backend_or_check(
     env: CeleryEnv,
@@ -262,15 +227,8 @@ def test_no_password_reaches_logs_result_backend_or_check(
     tmp_path: Path,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="celery_redlock")
-    masters = _unreachable_masters()
-    # The masters of the sentinel spec must hold tuples for the settings check.
-    app = make_app(
-        redlock_redis_urls=[
-            {**masters[0], "sentinels": [tuple(s) for s in masters[0]["sentinels"]]},
-            *masters[1:],
-        ],
-        redlock_node_timeout=0.2,
-    )
+    masters = unreachable_masters()
+    app = make_app(redlock_redis_urls=masters, redlock_node_timeout=0.2)
 
     @app.task(bind=True, base=SingletonTask, lock_key="report:{n}")
     def report(self: Any, n: int) -> int:

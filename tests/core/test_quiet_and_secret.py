@@ -15,43 +15,26 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from redis import connection as redis_connection
 
 from celery_redlock import QuorumUnavailable
 from celery_redlock.testing import Masters
 
+from ..secret_masters import SECRETS, print_passwords_in_reprs, unreachable_masters
 from . import helpers
 from .helpers import make_redlock
 
 pytestmark = pytest.mark.timeout(60)
 
 NODE_TIMEOUT = 0.2
-SENTINEL_PASSWORD = "sentinel-pw-4f1c"
-MASTER_PASSWORD = "master-pw-93ab"
-URL_PASSWORD = "url-pw-77d0"
-DICT_PASSWORD = "dict-pw-15e2"
-SECRETS = (SENTINEL_PASSWORD, MASTER_PASSWORD, URL_PASSWORD, DICT_PASSWORD)
 
 
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
     yield from helpers.clean_state()
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
@@ -61,25 +44,9 @@ def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRe
 def test_no_password_in_errors_logs_or_status(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # redis-py < 7.4 printed every connection argument, passwords too, in its reprs.
-    monkeypatch.setattr(
-        redis_connection.ConnectionPool, "SENSITIVE_REPR_KEYS", frozenset(), raising=False
-    )
+    print_passwords_in_reprs(monkeypatch)
     caplog.set_level(logging.DEBUG, logger="celery_redlock")
-    sentinel, url_port, dict_port = _free_ports(3)  # nothing listens there
-    rl = make_redlock(
-        [
-            {
-                "sentinels": [("127.0.0.1", sentinel)],
-                "service_name": "mymaster",
-                "password": MASTER_PASSWORD,
-                "sentinel_kwargs": {"password": SENTINEL_PASSWORD},
-            },
-            f"redis://:{URL_PASSWORD}@127.0.0.1:{url_port}/0",
-            {"host": "127.0.0.1", "port": dict_port, "password": DICT_PASSWORD},
-        ],
-        node_timeout=NODE_TIMEOUT,
-    )
+    rl = make_redlock(unreachable_masters(), node_timeout=NODE_TIMEOUT)
     with pytest.raises(QuorumUnavailable) as raised:
         rl.acquire("report:1", 5)
     exc = raised.value

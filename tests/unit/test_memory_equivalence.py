@@ -10,6 +10,7 @@ tests/celery/test_memory_backend.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, rule
 
 from celery_redlock import LockContended, LockLost, Redlock
+from celery_redlock.lock import limits, scripts
 from celery_redlock.memory import MemoryRedlock
-from celery_redlock.testing import Masters
+from celery_redlock.testing import Masters, start_masters
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,3 +127,75 @@ def test_memory_backend_answers_like_redis(masters: Masters) -> None:
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
     SameAnswers.TestCase().runTest()
+
+
+@pytest.fixture(scope="module")
+def one_master(redis_binary: str) -> Iterator[Masters]:
+    with start_masters(1, binary=redis_binary) as servers:
+        yield servers
+
+
+#: Arguments acquire refuses (each replaces the default of ACQUIRE_ARGUMENTS).
+BAD_ACQUIRE_ARGUMENTS = [
+    {"key": ""},
+    {"key": 5},
+    {"key": "}report"},
+    {"ttl": 0},
+    {"ttl": -1},
+    {"ttl": float("nan")},
+    {"ttl": float("inf")},
+    {"ttl": limits.MAX_TTL + 1},
+    {"ttl": "30"},
+    {"ttl": True},
+    {"blocking_timeout": -1},
+    {"blocking_timeout": limits.MAX_BLOCKING_TIMEOUT + 1},
+    {"blocking_timeout": "1"},
+    {"max_hold": 0},
+    {"max_hold": limits.MAX_HOLD + 1},
+    {"renew_every": limits.MIN_RENEW_EVERY / 2},
+    {"renew_every": 30},  # not below the TTL
+    {"renew_every": float("nan")},
+    {"meta": {scripts.EXTENSION_FIELD: "x"}},
+    {"clear_companion": ("meta", "t1")},
+    {"clear_companion": ("fence", "t1")},
+    {"clear_companion": ("", "t1")},
+    {"clear_companion": ("de{dupe", "t1")},
+    {"clear_companion": ("dedupe", 5)},
+]
+ACQUIRE_ARGUMENTS: dict[str, Any] = {"key": "report", "ttl": 30}
+
+
+@pytest.mark.parametrize("bad", BAD_ACQUIRE_ARGUMENTS, ids=repr)
+def test_both_backends_refuse_the_same_acquire_arguments_alike(
+    one_master: Masters, bad: dict[str, Any]
+) -> None:
+    # The in-process backend has no network: its node_timeout is the least allowed. The
+    # Redis one is given the same, so that the TTL's lower bound is the same for both.
+    real = Redlock(one_master.urls, node_timeout=limits.MIN_NODE_TIMEOUT)
+    try:
+        refused = []
+        for redlock in (real, MemoryRedlock()):
+            with pytest.raises((TypeError, ValueError)) as caught:
+                redlock.acquire(**{**ACQUIRE_ARGUMENTS, **bad})
+            refused.append((type(caught.value), str(caught.value)))
+        assert refused[0] == refused[1]
+    finally:
+        real.close()
+
+
+@pytest.mark.parametrize("renew_every", [None, 5.0])
+def test_both_backends_keep_or_follow_renew_every_alike_on_extend(
+    one_master: Masters, renew_every: float | None
+) -> None:
+    # Left to its default, renew_every follows a new TTL (ttl/3); given, it is kept.
+    real = Redlock(one_master.urls)
+    try:
+        answers = []
+        for redlock in (real, MemoryRedlock()):
+            lease = redlock.acquire("report", 30, renew_every=renew_every)
+            lease.extend(60)
+            answers.append(lease.renew_every)
+            lease.release()
+        assert answers[0] == answers[1] == (20.0 if renew_every is None else renew_every)
+    finally:
+        real.close()

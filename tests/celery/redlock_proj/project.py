@@ -123,45 +123,34 @@ def make_app(env: Mapping[str, str]) -> Celery:
     events = EventLog(env["REDLOCK_TEST_EVENTS"])
     run_until_stopped, record = events.run_until_stopped, events.record
 
-    @app.task(
-        shared=False, bind=True, base=SingletonTask, name=LOOP, lock_key="loop:{name}", dedupe=None
-    )
+    def singleton(name: str, key: str, **options: Any) -> Any:
+        """``app.task`` for a bound SingletonTask ``name`` locking ``<key>:{name}``."""
+        return app.task(
+            shared=False,
+            bind=True,
+            base=SingletonTask,
+            name=name,
+            lock_key=key + ":{name}",
+            **options,
+        )
+
+    @singleton(LOOP, "loop", dedupe=None)
     def loop(self: Any, name: str, seconds: float = 60.0) -> str:
         """Runs until ``seconds`` pass or the ``stop:<name>`` key exists."""
         return run_until_stopped(self, name, seconds)
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=CRASHY,
-        lock_key="crash:{name}",
-        lock_ttl=3,
-        acks_late=True,
-        dedupe=None,
-    )
+    @singleton(CRASHY, "crash", lock_ttl=3, acks_late=True, dedupe=None)
     def crashy(self: Any, name: str, seconds: float = 60.0) -> str:
         """Like ``loop``, with a 3 s lock TTL and late acks (redelivered after a crash)."""
         return run_until_stopped(self, name, seconds)
 
-    @app.task(
-        shared=False, bind=True, base=SingletonTask, name=QUICK, lock_key="quick:{name}", lock_ttl=3
-    )
+    @singleton(QUICK, "quick", lock_ttl=3)
     def quick(self: Any, name: str) -> str:
         record("enter", self)
         record("exit", self)
         return name
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=SWEEP,
-        lock_key="sweep:{name}",
-        lock_ttl=3,
-        on_lock_lost="interrupt",
-        dedupe=None,
-    )
+    @singleton(SWEEP, "sweep", lock_ttl=3, on_lock_lost="interrupt", dedupe=None)
     def sweep(self: Any, name: str, seconds: float = 30.0) -> str:
         """Pure-Python work for ``seconds`` (no I/O, no sleep: the interpreter checks for an
         interrupt between bytecodes); records ``interrupted`` when its lost lock stops it."""
@@ -178,16 +167,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return name
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=NAPS,
-        lock_key="naps:{name}",
-        lock_ttl=3,
-        on_lock_lost="interrupt",
-        dedupe=None,
-    )
+    @singleton(NAPS, "naps", lock_ttl=3, on_lock_lost="interrupt", dedupe=None)
     def naps(self: Any, name: str, seconds: float = 30.0) -> str:
         """0.1 s sleeps for ``seconds``; records ``interrupted`` when its lost lock stops it."""
         record("enter", self)
@@ -201,15 +181,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return name
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=LIMITED,
-        lock_key="limited:{name}",
-        lock_ttl=1,
-        dedupe=None,
-    )
+    @singleton(LIMITED, "limited", lock_ttl=1, dedupe=None)
     def limited(self: Any, name: str, seconds: float = 10.0) -> str:
         record("enter", self)
         deadline = time.monotonic() + seconds
@@ -219,19 +191,11 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return name
 
-    @app.task(shared=False, bind=True, base=SingletonTask, name=LOOPQ, lock_key="loopq:{name}")
+    @singleton(LOOPQ, "loopq")
     def loopq(self: Any, name: str, seconds: float = 60.0) -> str:
         return run_until_stopped(self, name, seconds)
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=SLEEPER,
-        lock_key="sleeper:{name}",
-        lock_ttl=1,
-        dedupe=None,
-    )
+    @singleton(SLEEPER, "sleeper", lock_ttl=1, dedupe=None)
     def sleeper(self: Any, name: str, naps: int = 6, nap: float = 0.25) -> list[float]:
         # The first sleep comes right after the acquire, before any other I/O: a wake-up
         # left over from the acquire round (eventlet) would land in it. "enter" is
@@ -249,16 +213,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
             raise RuntimeError("the lease was not held at the end of the body")
         return took
 
-    @app.task(
-        shared=False,
-        bind=True,
-        base=SingletonTask,
-        name=WATCHER,
-        lock_key="watcher:{name}",
-        lock_ttl=1,
-        on_lock_lost="log",
-        dedupe=None,
-    )
+    @singleton(WATCHER, "watcher", lock_ttl=1, on_lock_lost="log", dedupe=None)
     def watcher(self: Any, name: str, seconds: float = 20.0) -> bool:
         """Sleeps until its lease reads as lost (or ``seconds`` pass); returns ``held``."""
         record("enter", self)
@@ -268,9 +223,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
         record("exit", self)
         return bool(self.lease is not None and self.lease.held)
 
-    @app.task(
-        shared=False, bind=True, base=SingletonTask, name=SOFT, lock_key="soft:{name}", dedupe=None
-    )
+    @singleton(SOFT, "soft", dedupe=None)
     def soft(self: Any, name: str, seconds: float = 60.0) -> str:
         """Sleeps until ``seconds`` pass; a soft kill makes it run a 2 s cleanup, then return."""
         record("enter", self)
@@ -288,12 +241,9 @@ def make_app(env: Mapping[str, str]) -> Celery:
 
     for crash_name, policy in ((CRASHY_SKIP, "skip"), (CRASHY_RAISE, "raise")):
 
-        @app.task(
-            shared=False,
-            bind=True,
-            base=SingletonTask,
-            name=crash_name,
-            lock_key="crash-" + policy + ":{name}",
+        @singleton(
+            crash_name,
+            "crash-" + policy,
             # Longer than the Redis broker's redelivery in the tests (visibility timeout
             # 2 s, then the sweep): the redelivered job meets the dead run's lock.
             lock_ttl=6,
@@ -310,15 +260,7 @@ def make_app(env: Mapping[str, str]) -> Celery:
         (QUICK_CAPPED, "capped", {"on_contention": "retry", "max_contention_retries": 1}),
     ):
 
-        @app.task(
-            shared=False,
-            bind=True,
-            base=SingletonTask,
-            name=task_name,
-            lock_key=prefix + ":{name}",
-            lock_ttl=3,
-            **options,
-        )
+        @singleton(task_name, prefix, lock_ttl=3, **options)
         def quick_variant(self: Any, name: str) -> str:
             record("enter", self)
             record("exit", self)
