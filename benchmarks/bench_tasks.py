@@ -1,17 +1,20 @@
-"""End-to-end task throughput and the duplicate storm (issue 4).
+"""End-to-end task throughput, latency and the duplicate storm (issues 4 and 17).
 
-One real ``celery worker`` (prefork, 2 processes) on a Redis broker, 3 Redlock
-masters. Contenders, interleaved per round: a plain task, SingletonTask,
-celery-singleton and celery-once, each publishing N jobs with distinct
-arguments; the time from the first publish until every body has run gives
-tasks/s. Then the duplicate storm: one job whose body runs 2 s, published
-again 1,000 times while it runs: how many publishes were accepted, how many
-bodies ran, and (for a run-time lock alone, no dedupe) how fast the worker
-skips the duplicates.
+One real ``celery worker`` (prefork, 2 processes) on a Redis broker (or the RabbitMQ
+running on this host: ``--broker amqp``), 3 Redlock masters (``--masters``).
+Contenders, interleaved per round: a plain task, SingletonTask, celery-singleton and
+celery-once, each publishing N jobs with distinct arguments; the time from the first
+publish until every body has run gives tasks/s. Then the latency a job adds (publish to
+body start, p50 and p99; plain task and SingletonTask; see ``task_latency``). Then the
+duplicate storm (Redis broker only): one job whose body runs 2 s, published again 1,000
+times while it runs: how many publishes were accepted, how many bodies ran, and (for a
+run-time lock alone, no dedupe) how fast the worker skips the duplicates. Last, with 3
+masters or more, one master is killed and throughput and latency taken again.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -19,10 +22,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
+from benchmarks import task_brokers, task_latency
 from benchmarks.common import (
     REPO,
     Goal,
@@ -193,6 +198,73 @@ def _storm(
     return accepted, len(runs), drained, overlapping
 
 
+def _one_master_down(
+    report: Report,
+    args: argparse.Namespace,
+    masters: Sequence[RedisServer],
+    bench_app: Any,
+    counter: redis.Redis,
+    processes: Processes,
+    healthy_rates: dict[str, list[float]],
+    base: int,
+) -> dict[str, list[list[float]]]:
+    """Kill the last master (SIGKILL), then take throughput and latency again: plain
+    task and SingletonTask. Returns the latencies (see :mod:`task_latency`)."""
+    dead = masters[-1]
+    progress(f"killing master {dead.url}")
+    dead.kill()
+    # Every process that takes a lock (the publisher, both pool processes) meets the
+    # dead master once and marks it down before anything is timed.
+    _throughput(bench_app.redlocked, counter, 50, base, processes)
+    base += 50
+    contenders = {"plain task": bench_app.plain, "SingletonTask": bench_app.redlocked}
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    for rnd in range(args.rounds):
+        order = list(contenders.items())
+        if rnd % 2:
+            order.reverse()
+        for name, task in order:
+            progress(f"one master down, round {rnd + 1}: {name}")
+            base += args.tasks
+            rates[name].append(_throughput(task, counter, args.tasks, base, processes)[0])
+    ratio = median(a / b for a, b in zip(rates["SingletonTask"], rates["plain task"], strict=True))
+    healthy = median(
+        a / b
+        for a, b in zip(healthy_rates["SingletonTask"], healthy_rates["plain task"], strict=True)
+    )
+    report.add(
+        f"One master of {len(masters)} killed (SIGKILL; the others hold the quorum): tasks/s",
+        "(SingletonTask vs plain: the median of the rounds' ratios; healthy: the same from",
+        "the first table's rounds).",
+        *table(
+            ["contender", "tasks/s", "vs plain", "healthy vs plain"],
+            [
+                ["plain task", num(median(rates["plain task"])), "-", "-"],
+                [
+                    "SingletonTask",
+                    num(median(rates["SingletonTask"])),
+                    times(ratio),
+                    times(healthy),
+                ],
+            ],
+        ),
+        "",
+    )
+    if args.latency_jobs <= 0:
+        return {}
+    latency = task_latency.measure(
+        contenders, counter, args.rounds, args.latency_jobs, base, "latency, one master down"
+    )
+    report.add(
+        *task_latency.lines(
+            latency,
+            "plain task",
+            [f"Latency per job with one master of {len(masters)} killed, as above, in µs:"],
+        )
+    )
+    return latency
+
+
 def main(argv: list[str]) -> int:
     parser = arguments(__doc__.splitlines()[0], rounds=3, seconds=0)
     parser.add_argument("--tasks", type=int, default=1000, help="jobs per contender per round")
@@ -202,29 +274,58 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--no-storm", action="store_true", help="skip the duplicate storms (throughput only)"
     )
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "amqp"),
+        default="redis",
+        help="redis: a fresh redis-server (default); amqp: the RabbitMQ at --amqp-url",
+    )
+    parser.add_argument(
+        "--amqp-url",
+        default=task_brokers.DEFAULT_AMQP_URL,
+        help=f"RabbitMQ for --broker amqp (default {task_brokers.DEFAULT_AMQP_URL})",
+    )
+    parser.add_argument(
+        "--latency-jobs",
+        type=int,
+        default=300,
+        help="jobs per contender per round in the latency rounds (default 300; 0: none)",
+    )
+    parser.add_argument(
+        "--no-down",
+        action="store_true",
+        help="skip killing one master at the end (done with 3 masters or more)",
+    )
     args = parser.parse_args(argv)
     n_masters = args.masters
     masters_column = f"{n_masters} master" + ("s" if n_masters != 1 else "")
+    try:
+        broker = task_brokers.start(args.broker, args.amqp_url)
+    except task_brokers.BrokerUnreachable as exc:
+        progress(f"tasks benchmark: {exc}")
+        return 2
+    storms = not args.no_storm and broker.kind == "redis"
+    # Killing one master leaves a quorum from 3 masters on.
+    down = not args.no_down and n_masters - 1 >= n_masters // 2 + 1
     masters = start_masters(n_masters)
-    broker_server = RedisServer()
     counter_server = RedisServer()
     worker = None
     try:
-        for server in (broker_server, counter_server):
-            if not server.alive:
-                server.start()
+        if not counter_server.alive:
+            counter_server.start()
         env = dict(
             os.environ,
-            BENCH_BROKER=broker_server.url,
+            BENCH_BROKER=broker.url,
+            BENCH_QUEUE=broker.queue,
             BENCH_MASTERS=",".join(m.url for m in masters),
             BENCH_COUNTER=counter_server.url,
             PYTHONPATH=str(REPO),
         )
-        os.environ.update({k: env[k] for k in ("BENCH_BROKER", "BENCH_MASTERS", "BENCH_COUNTER")})
+        names = ("BENCH_BROKER", "BENCH_QUEUE", "BENCH_MASTERS", "BENCH_COUNTER")
+        os.environ.update({k: env[k] for k in names})
         from benchmarks import taskbench_app as bench_app
 
         counter = counter_server.client()
-        broker = broker_server.client()
         logdir = os.path.join(str(counter_server.dir), "worker")
         os.makedirs(logdir, exist_ok=True)
         worker = _start_worker(env, logdir)
@@ -233,17 +334,25 @@ def main(argv: list[str]) -> int:
         bench_app.plain.delay(0)
         _drain(counter, 1, timeout=60)
 
+        name = "tasks" if broker.kind == "redis" else "tasks-amqp"
         report = Report(
-            "tasks" if n_masters == 3 else f"tasks-{n_masters}",
-            f"End-to-end tasks/s through a prefork worker (Redis broker, {masters_column})",
+            name if n_masters == 3 else f"{name}-{n_masters}",
+            f"End-to-end tasks/s through a prefork worker ({broker.label}, {masters_column})",
         )
+        if broker.kind == "amqp":
+            report.add(
+                f"broker: RabbitMQ at {task_brokers.safe_url(broker.url)}, queue {broker.queue}"
+                " (this run's own; not started by the benchmark, and shared with whatever else"
+                " uses it: its CPU column counts all of its work)."
+            )
         processes: Processes = {
             "worker main": [worker.pid],
             "pool processes": child_pids(worker.pid),
             masters_column: [m.pid for m in masters],
-            "broker": [broker_server.pid],
-            "counter Redis": [counter_server.pid],
         }
+        if broker.pids:
+            processes["broker"] = broker.pids
+        processes["counter Redis"] = [counter_server.pid]
         rates: dict[str, list[float]] = {name: [] for name in bench_app.TASKS}
         cpus: dict[str, list[dict[str, float]]] = {name: [] for name in bench_app.TASKS}
         base = 1_000_000
@@ -331,6 +440,26 @@ def main(argv: list[str]) -> int:
             "",
         )
 
+        latency_tasks = {"plain task": bench_app.plain, "SingletonTask": bench_app.redlocked}
+        healthy_latency: dict[str, list[list[float]]] = {}
+        if args.latency_jobs > 0:
+            healthy_latency = task_latency.measure(
+                latency_tasks, counter, args.rounds, args.latency_jobs, base, "latency"
+            )
+            base += 2 * args.rounds * args.latency_jobs
+            report.add(
+                *task_latency.lines(
+                    healthy_latency,
+                    "plain task",
+                    [
+                        "Latency per job, publish to body start, in µs: jobs published one at a",
+                        f"time ({args.latency_jobs} per contender per round), each once the one",
+                        "before it started its body. Medians over rounds; 'added' is the median",
+                        "of the rounds' differences from the plain task in the same round.",
+                    ],
+                )
+            )
+
         storm_rows = []
         storm_results: dict[str, tuple[int, int, float, int]] = {}
         contenders = [
@@ -340,9 +469,11 @@ def main(argv: list[str]) -> int:
             ("celery-singleton", bench_app.singleton, 2.0),
             ("celery-once", bench_app.once, 2.0),
         ]
-        for i, (name, task, body) in enumerate([] if args.no_storm else contenders):
+        broker_client = broker.server.client() if broker.server is not None else None
+        for i, (name, task, body) in enumerate(contenders if storms else []):
+            assert broker_client is not None
             progress(f"duplicate storm: {name}")
-            accepted, ran, drained, overlapping = _storm(task, counter, broker, 42 + i, body)
+            accepted, ran, drained, overlapping = _storm(task, counter, broker_client, 42 + i, body)
             storm_results[name] = (accepted, ran, drained, overlapping)
             skipped = max(0, accepted - ran)
             # Only where the worker really skipped duplicates (more than the one
@@ -357,7 +488,9 @@ def main(argv: list[str]) -> int:
                     "-" if rate != rate else num(rate),
                 ]
             )
-        if not args.no_storm:
+        if not storms and not args.no_storm:
+            report.add("No duplicate storm: it reads the queue's length in the Redis broker.", "")
+        if storms:
             report.add(
                 "Duplicate storm: one job (body 2 s; 10 s for the run-time lock alone, so that",
                 f"it outlasts the storm) published again {STORM} times while it runs.",
@@ -374,6 +507,12 @@ def main(argv: list[str]) -> int:
                 ),
                 "",
             )
+        down_latency: dict[str, list[list[float]]] = {}
+        if down:
+            down_latency = _one_master_down(
+                report, args, masters, bench_app, counter, processes, rates, base
+            )
+            base += 10 * args.tasks
         # Issue 17's goals (they replace issue 4's three throughput goals).
         ours = median(rates["SingletonTask"])
         if n_masters == 1:
@@ -391,7 +530,19 @@ def main(argv: list[str]) -> int:
             )
         report.goal(Goal("own cost per job", own, 100, at_least=False, unit=" µs"))
         report.goal(Goal("masters' CPU per job vs the rounds alone", masters_ratio, 1.15, False))
-        if not args.no_storm:
+        if healthy_latency and down_latency:
+            # A master marked down is not waited for, nor reconnected to on every job.
+            node_timeout_us = 0.25e6
+            report.goal(
+                Goal(
+                    "p99 latency SingletonTask adds with one master down",
+                    task_latency.added(down_latency, "SingletonTask", "plain task", 99),
+                    node_timeout_us / 10,
+                    at_least=False,
+                    unit=" µs",
+                )
+            )
+        if storms:
             # "queued" (the default) lets one follow-up job wait behind the running one, by
             # contract: 2 bodies. "active" is the celery-singleton semantics the anchors have.
             ran = storm_results["SingletonTask (dedupe active)"][1]
@@ -422,8 +573,9 @@ def main(argv: list[str]) -> int:
     finally:
         if worker is not None:
             _stop(worker)
-        for server in (*masters, broker_server, counter_server):
+        for server in (*masters, counter_server):
             server.close()
+        broker.close()
 
 
 if __name__ == "__main__":

@@ -288,6 +288,54 @@ def test_a_stopped_master_does_not_flood_the_log(
     assert "answers again" in caplog.text
 
 
+@pytest.mark.parametrize("masters", [3], indirect=True)
+@pytest.mark.parametrize("how", ["kill", "blackhole"])
+def test_a_master_that_stays_down_is_not_reconnected_per_operation(
+    masters: Masters, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Operations further apart than the reconnect backoff (a worker running a job every
+    1.5 s) do not each try to reconnect to a master that stays down: before the backoff
+    grew, every one of them did, and a host that drops packets cost every job a whole
+    ``node_timeout``. An outage (no quorum without it) brings the base backoff back."""
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    with contextlib.ExitStack() as stack:
+        specs: list[object] = [m.url for m in masters]
+        if how == "blackhole":
+            specs[2] = stack.enter_context(helpers.blackhole())
+        rl = make_redlock(specs, node_timeout=NODE_TIMEOUT, clock=clock)
+        assert rl.acquire("warm", 10).release() is True
+        if how == "kill":
+            masters[2].kill()
+        dead = rl.masters[2]
+        start_connect = dead.start_connect
+        attempts = [0]
+
+        def counted() -> object:
+            attempts[0] += 1
+            return start_connect()
+
+        monkeypatch.setattr(dead, "start_connect", counted)
+        operations, step = 40, 1.5
+        for i in range(operations):
+            assert rl.acquire(f"sparse:{i}", 10).release() is True
+            offset[0] += step
+        assert dead.down
+        assert not rl.check_masters()[2].up
+        # 60 s of operations: tries after 1, 2, 4, 8, 16, 16 ... s of backoff (base 1 s,
+        # doubled per failure, at most 16x): 7 tries, where one per operation made 39.
+        assert rl.reconnect_backoff == 1.0
+        assert attempts[0] <= 8, f"{attempts[0]} connect attempts in {operations} operations"
+        # An outage: the lock needs every master back as soon as it answers.
+        masters[1].kill()
+        with pytest.raises(QuorumUnavailable):
+            rl.acquire("outage", 10)
+        assert dead.connect_after <= clock() + rl.reconnect_backoff
+
+
 # -- lanes shrink back ------------------------------------------------------------------------
 
 
