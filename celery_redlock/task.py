@@ -84,13 +84,16 @@ OCCURRENCE_HEADER = "redlock_occurrence"
 #: Message header: how many times this job waited for its own earlier run's lock (a
 #: redelivery after its worker died mid-run; not contention).
 OWN_RUN_HEADER = "redlock_own_run"
+#: The counters of one wait for the lock: a ``retry()`` starts a new wait, so its message
+#: carries none of them (Celery's retry copies the running job's headers).
+_WAIT_COUNTERS = frozenset({CONTENTION_HEADER, OUTAGE_HEADER, OWN_RUN_HEADER})
 
 #: Set while this library (or Celery's retry on our behalf) republishes a job that
 #: already owns its dedupe marker: such publishes must never be deduplicated.
 _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "redlock_republishing", default=False
 )
-_RetryHook = Callable[[Sequence[Any], Mapping[str, Any], Mapping[str, Any]], None]
+_RetryHook = Callable[[Sequence[Any], Mapping[str, Any], dict[str, Any]], None]
 
 #: Set by ``retry()``: frees the running job's lock right before its retry is published,
 #: and only then (Celery may instead raise MaxRetriesExceededError, the body going on).
@@ -641,8 +644,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request = self.request
 
         def release_for_retry(
-            args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any]
+            args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]
         ) -> None:
+            headers = options.get("headers")
+            if isinstance(headers, Mapping) and not _WAIT_COUNTERS.isdisjoint(headers):
+                # A new wait: contention before this retry must not count toward
+                # max_contention_retries after it, nor lengthen its backoff.
+                options["headers"] = {k: v for k, v in headers.items() if k not in _WAIT_COUNTERS}
             lease = getattr(request, "redlock_lease", None)
             if lease is None:
                 return
@@ -803,6 +811,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 countdown,
                 attempt + 1,
             )
+            self._keep_queued_marker(request, key, opts, countdown)
             self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
             raise Retry(f"lock {printable(key)} contended", exc=exc, when=countdown)
         if policy == "skip":
@@ -857,6 +866,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             key,
             countdown,
         )
+        self._keep_queued_marker(request, key, opts, countdown)
         self._republish(request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1})
         raise Retry(
             f"lock {printable(key)} held by an earlier run of this job", exc=exc, when=countdown
@@ -906,6 +916,42 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             f" {when}" if when else "",
         )
         self._store_skipped(request, key, opts)
+
+    def _keep_queued_marker(
+        self, request: Any, key: str, opts: TaskOptions, countdown: float
+    ) -> None:
+        """Best effort: a ``"queued"`` job rescheduled to wait for its key stays the queued
+        job of that key, so identical publishes keep coalescing into it.
+
+        Its failed acquire deleted the marker on every master that granted the lock (a
+        minority): left so, the marker might no longer hold a quorum, and an identical
+        publish would become a second job. Claiming it again restores it where it went
+        (a master that still has it, naming this job, counts as the claim's).
+        """
+        if opts.dedupe != "queued" or not request.id:
+            return
+        try:
+            ttl = get_settings(self.app).dedupe_ttl + countdown
+            holder, _ = redlock_for(self.app).claim(
+                key, self.dedupe_suffix(), request.id, ttl, guard_for=0
+            )
+        except Exception as exc:  # noqa: BLE001 - best effort: the job is rescheduled anyway
+            logger.warning(
+                "%s[%s]: dedupe marker of %s not restored for its reschedule: %s",
+                self.name,
+                request.id,
+                key,
+                exc,
+            )
+            return
+        if holder != request.id:
+            logger.info(
+                "%s[%s]: rescheduled beside job %s, queued for %s",
+                self.name,
+                request.id,
+                holder,
+                key,
+            )
 
     def _claim_marker(
         self,

@@ -18,10 +18,19 @@ from typing import Any
 import pytest
 from celery import chain, chord, group
 
-from celery_redlock import SingletonTask
+from celery_redlock import Redlock, SingletonTask
+from celery_redlock.keys import redis_key
 from celery_redlock.testing import wait_for
 
-from .redlock_testkit import BROKERS, CeleryEnv, Recorder, opened_on_exit, queue_length, run_worker
+from .redlock_testkit import (
+    BROKERS,
+    CeleryEnv,
+    Recorder,
+    SignalLog,
+    opened_on_exit,
+    queue_length,
+    run_worker,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,3 +306,50 @@ def test_queued_job_waiting_for_its_retry_takes_identical_publishes(
         assert later.get(timeout=20) == 1  # its own retry is not deduplicated away
     spans = [s.task_id for s in recorder.spans]
     assert spans == [first.id, first.id, later.id, later.id]
+
+
+def test_a_contended_acquire_on_a_minority_keeps_the_queued_marker(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    """The ACQUIRE script clears a "queued" marker on each master that grants the lock. When
+    only a minority grants it (the holder's lock is missing on one master), the acquire
+    fails and the job is rescheduled, still queued: it claims its marker again. Before,
+    the marker stayed gone on that master, so with one more master down an identical
+    publish found no quorum for it and became a second job."""
+    app = make_app()
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        lock_key="waiter:{n}",
+        dedupe="queued",
+        contention_backoff=(1, 1),
+    )
+    def waiter(self: Any, n: int) -> int:
+        return n
+
+    others = Redlock(env.masters.urls)
+    holder = others.acquire("waiter:1", ttl=60)
+    lock, meta = env.lock_names("waiter:1")
+    with env.masters[0].client() as conn:
+        conn.delete(lock, meta)  # held on the other two masters only
+    marker = redis_key("redlock", "waiter:1", waiter.dedupe_suffix())
+    try:
+        with run_worker(app):
+            job = waiter.delay(1)
+            wait_for(
+                lambda: signal_log.of("lock_contended", task_id=job.id),
+                timeout=15,
+                message="the job met the lock",
+            )
+            wait_for(
+                lambda: all(env.on_masters(marker)),
+                timeout=10,
+                message="the marker back on every master",
+            )
+            assert waiter.delay(1).id == job.id
+            holder.release()
+            assert job.get(timeout=30) == 1
+    finally:
+        holder.release()
+        others.close()

@@ -15,7 +15,7 @@ import pytest
 from celery.result import AsyncResult
 from celery.signals import before_task_publish
 
-from celery_redlock import LockLost, LockLostInterrupt, Redlock, SingletonTask
+from celery_redlock import LockLost, LockLostInterrupt, Redlock, SingletonTask, signals
 from celery_redlock.keys import redis_key
 from celery_redlock.testing import wait_for
 
@@ -262,3 +262,66 @@ def test_log_policy_signals_the_loss_and_lets_the_body_finish(
     assert lost["policy"] == "log"
     assert lost["reason"]
     assert lost["lease"].held is False
+
+
+def test_a_retry_starts_a_new_wait_for_the_lock(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, signal_log: SignalLog
+) -> None:
+    """Contention reschedules before a ``retry()`` do not count after it: the retry's
+    message carries none of the wait counters, so ``max_contention_retries`` (and the
+    backoff) start over. Before, the first contention after the retry gave up."""
+    app = make_app()
+    others = Redlock(env.masters.urls)
+    held: list[Any] = [others.acquire("flaky:1", ttl=30)]
+
+    def second_contention(sender: Any, attempt: int, **_: Any) -> None:
+        if sender.name == flaky.name and attempt == 1 and held:
+            held.pop().release()  # the job's third try finds the key free
+
+    retried: list[str] = []
+
+    def retry_published(sender: str, headers: dict[str, Any], **_: Any) -> None:
+        if sender == flaky.name and headers.get("retries") == 1 and not retried:
+            retried.append(headers["id"])
+            held.append(others.acquire("flaky:1", ttl=30))  # held when the retry arrives
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        lock_key="flaky:{n}",
+        max_contention_retries=2,
+        contention_backoff=(0.05, 0.1),
+    )
+    def flaky(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            retries = self.request.retries
+        if retries == 0:
+            raise self.retry(countdown=0)
+        return retries
+
+    signals.lock_contended.connect(second_contention)
+    before_task_publish.connect(retry_published)
+    try:
+        with run_worker(app):
+            result = flaky.delay(1)
+            wait_for(
+                lambda: len(signal_log.of("lock_contended", task_id=result.id)) >= 3,
+                timeout=20,
+                message="a contention after the retry",
+            )
+            while held:
+                held.pop().release()
+            assert result.get(timeout=20) == 1
+    finally:
+        signals.lock_contended.disconnect(second_contention)
+        before_task_publish.disconnect(retry_published)
+        while held:
+            held.pop().release()
+        others.close()
+    contended = signal_log.of("lock_contended", task_id=result.id)
+    assert [(s["attempt"], s["action"]) for s in contended] == [
+        (0, "retry"),
+        (1, "retry"),
+        (0, "retry"),  # a new wait: was (2, "give_up")
+    ]
+    assert len(recorder.spans) == 2
