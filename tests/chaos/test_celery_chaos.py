@@ -18,6 +18,7 @@ import random
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from celery_redlock.testing import Masters, RedisServer, start_masters, wait_for
 
 from . import checker
 from .checker import ANY, SOME
-from .history import History, load
+from .history import MSG_HEADER, History, load
 from .resource import counters, read_log
 from .run import Agent, group_pids
 
@@ -113,11 +114,14 @@ class CeleryRun:
             ],
         )
 
-    def wait_ready(self, proc: Agent, pattern: str, timeout: float = 60.0) -> None:
+    def wait_ready(self, proc: Agent, pattern: str, timeout: float = 60.0, times: int = 1) -> None:
+        """Wait until ``pattern`` is in the process's log ``times`` times (a restarted
+        process appends to its predecessor's log)."""
+
         def ready() -> bool:
             if not proc.alive:
                 raise RuntimeError(f"{proc.name} exited:\n{self.log(proc.name)}")
-            return pattern in proc.log_path.read_text(errors="replace")
+            return proc.log_path.read_text(errors="replace").count(pattern) >= times
 
         wait_for(ready, timeout=timeout, interval=0.1, message=f"{proc.name} not ready")
 
@@ -141,9 +145,11 @@ class CeleryRun:
         proc.signal(signal.SIGKILL, group=True)
 
     def send(self, task: str, item: str, *args: Any) -> None:
-        self.h.write("submit", item=item, task=task)
+        task_id = str(uuid.uuid4())
+        msg = uuid.uuid4().hex[:12]
+        self.h.write("submit", item=item, task=task, task_id=task_id, msg=msg)
         with contextlib.closing(Celery(broker=self.broker.url)) as app:
-            app.send_task(task, args=[item, *args])
+            app.send_task(task, args=[item, *args], task_id=task_id, headers={MSG_HEADER: msg})
 
     def events(self) -> list[dict[str, Any]]:
         h = History(self.history_path, "store")
@@ -158,6 +164,40 @@ class CeleryRun:
 
     def done_items(self) -> set[str]:
         return {e["item"] for e in load(self.history_path) if e["ev"] == "done"}
+
+    def in_body(self, name: str) -> bool:
+        """Whether a process of ``name`` is inside a task body (between ``work`` and
+        the end of its critical section) right now."""
+        inside: set[str] = set()
+        for e in load(self.history_path):
+            if e["proc"] != name or "lease" not in e:
+                continue
+            if e["ev"] == "work":
+                inside.add(e["lease"])
+            elif e["ev"] in ("cs_exit", "cs_abort"):
+                inside.discard(e["lease"])
+        return bool(inside)
+
+    def broker_state(self) -> dict[str, Any]:
+        """What the broker holds now: the messages queued and unacked (delivered, not
+        acked), by their ``chaos_msg`` header, and kombu's restore mutex (held by a
+        worker's restore sweep; one SIGKILLed inside it leaves it for
+        ``unacked_mutex_expire``, and no message is restored meanwhile)."""
+
+        def job(raw: bytes | str) -> str:
+            with contextlib.suppress(Exception):
+                message = json.loads(raw)
+                if isinstance(message, list):  # unacked: [message, exchange, routing key]
+                    message = message[0]
+                return str((message.get("headers") or {}).get(MSG_HEADER))
+            return "?"
+
+        with self.broker.client() as conn:
+            return {
+                "queued": [job(raw) for raw in conn.lrange("celery", 0, -1)],
+                "unacked": [job(raw) for raw in conn.hvals("unacked")],
+                "mutex_pttl_ms": conn.pttl("unacked_mutex"),
+            }
 
     def log(self, name: str) -> str:
         proc = self.procs[name]
@@ -205,6 +245,18 @@ def _record(
 # -- 14 ---------------------------------------------------------------------------------------
 
 S14_TITLE = "Celery: acks_late redelivery (visibility < task), worker SIGKILL, quorum outage"
+#: Seconds: the broker's visibility timeout, the lock's TTL, an item's first run (longer
+#: than the visibility timeout: the broker hands it out again while it runs), the outage.
+S14_VISIBILITY, S14_LOCK_TTL, S14_TASK, S14_OUTAGE = 1.5, 2.0, 2.5, 2.5
+#: kombu's restore mutex: a worker SIGKILLed inside a restore sweep leaves it this long.
+S14_MUTEX_EXPIRE = 5.0
+#: The longest chain of legitimate waits an item may meet after the heal: the killed
+#: worker's restore mutex, the visibility timeout of its unacked jobs, a dead run's lock
+#: and the restarted masters' quarantine (lock_ttl each), two backoffs (at most 1 s each
+#: in celeryproj) and a first run. The settle wait allows it six times over (a loaded
+#: machine); past it an item counts as lost.
+S14_CHAIN = S14_MUTEX_EXPIRE + S14_VISIBILITY + 2 * S14_LOCK_TTL + 2 * 1.0 + S14_TASK
+S14_SETTLE = 6 * S14_CHAIN
 
 
 def _cases14() -> list[Any]:
@@ -218,34 +270,54 @@ def _cases14() -> list[Any]:
 def test_s14_redelivery_and_killed_worker(variant: str, tmp_path: Path, chaos_record: Any) -> None:
     started = time.monotonic()
     task = "chaos.work" if variant == "correct" else "chaos.plain_work"
-    run = CeleryRun(tmp_path / "run", CHAOS_VISIBILITY="1.5", CHAOS_LOCK_TTL="2")
+    run = CeleryRun(
+        tmp_path / "run",
+        CHAOS_VISIBILITY=str(S14_VISIBILITY),
+        CHAOS_LOCK_TTL=str(S14_LOCK_TTL),
+        CHAOS_MUTEX_EXPIRE=str(S14_MUTEX_EXPIRE),
+    )
     try:
         workers = [run.worker("w0"), run.worker("w1")]
         for w in workers:
             run.wait_ready(w, "ready.")
         items = [(f"i{n}", f"k{n % 3}") for n in range(6)]
+        sent = time.monotonic()
         for item, key in items:
-            run.send(task, item, key, 2.5)
-        time.sleep(1.5)
-        run.kill("w0")  # mid-task: its messages are unacked
-        time.sleep(1.0)
-        run.worker("w0")
-        time.sleep(1.0)
+            run.send(task, item, key, S14_TASK)
+        # Kill w0 mid-task (its messages unacked), once the broker has started handing
+        # running tasks out again (visibility timeout); on a loaded machine its bodies
+        # may start late, so wait for one rather than for a fixed time.
+        with contextlib.suppress(TimeoutError):
+            wait_for(
+                lambda: time.monotonic() - sent >= S14_VISIBILITY and run.in_body("w0"),
+                timeout=30,
+                interval=0.05,
+            )
+        run.kill("w0")
+        time.sleep(1.0)  # down for a while
+        run.wait_ready(run.worker("w0"), "ready.", times=2)
+        time.sleep(1.0)  # the restarted w0 takes jobs
         run.h.write("fault_start", fault="kill_master", target="m0,m1")
         run.masters[0].kill()
         run.masters[1].kill()
         run.h.write("quorum_lost")
-        time.sleep(2.5)
+        time.sleep(S14_OUTAGE)
         run.h.write("quorum_back")
         run.masters[0].start()
         run.masters[1].start()
         run.h.write("fault_end", fault="kill_master", target="m0,m1")
         wanted = {item for item, _ in items}
         with contextlib.suppress(TimeoutError):
-            wait_for(lambda: wanted <= run.done_items(), timeout=90, interval=0.25)
+            wait_for(lambda: wanted <= run.done_items(), timeout=S14_SETTLE, interval=0.25)
+        # Which messages the broker still holds, and kombu's restore mutex: the checker
+        # tells a message the broker lost (a worker killed between BRPOP and its unacked
+        # record) from a job celery-redlock dropped.
+        run.h.write("broker_state", **run.broker_state())
         for name in list(run.procs):
             run.stop(name)
-        expect = {"takeover": ANY, "recovered": ANY}
+        # broker_lost: SIGKILLing a worker of kombu's Redis transport can lose a message
+        # it had just popped (not this library's to prevent); shown, not failed.
+        expect = {"takeover": ANY, "recovered": ANY, "broker_lost": ANY}
         if variant == "plain":
             expect.update(
                 overlap=SOME,
