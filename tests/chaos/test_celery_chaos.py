@@ -419,3 +419,79 @@ def test_s15_beats_with_random_kills(
         assert report.ok, f"{report.format()}\n{run.logs()}"
     finally:
         run.close()
+
+
+def _mutex_px(conn: Any) -> int | None:
+    """The expiry (ms) a worker's restore sweep set on kombu's mutex, from the slow log
+    (every command is logged: ``slowlog-log-slower-than 0``)."""
+    for entry in conn.slowlog_get(10_000):
+        words = (entry.get("command") or b"").split()
+        if words[:2] == [b"SET", b"unacked_mutex"] and b"PX" in words:
+            return int(words[words.index(b"PX") + 1])
+    return None
+
+
+def test_s14_worker_killed_inside_a_restore_sweep(tmp_path: Path) -> None:
+    """A worker SIGKILLed inside kombu's restore sweep leaves the sweep's mutex behind and
+    no worker restores anything until it expires. The s14 run that lost ``i3`` and
+    ``i4`` ended with them unacked and the mutex 205 s from expiring (kombu's default:
+    300 s). The chaos app keeps it short: a killed worker's job runs within the chain
+    of waits the settle time is sized from."""
+    run = CeleryRun(
+        tmp_path / "run",
+        CHAOS_VISIBILITY=str(S14_VISIBILITY),
+        CHAOS_LOCK_TTL=str(S14_LOCK_TTL),
+        CHAOS_MUTEX_EXPIRE=str(S14_MUTEX_EXPIRE),
+    )
+    try:
+        with run.broker.client() as conn:
+            conn.config_set("slowlog-max-len", 10_000)
+            conn.config_set("slowlog-log-slower-than", 0)
+        w0 = run.worker("w0", concurrency=1)
+        run.wait_ready(w0, "ready.")
+        run.send("chaos.work", "i0", "k0", S14_TASK)
+        wait_for(lambda: run.in_body("w0"), timeout=30, interval=0.05, message="i0 not started")
+        with run.broker.client() as conn:
+            px = wait_for(lambda: _mutex_px(conn), timeout=10, interval=0.1)
+            run.kill("w0")
+            assert conn.hlen("unacked") == 1  # delivered to the dead worker, not acked
+            # Killed inside a sweep: its mutex stays as long as that sweep set it to.
+            assert conn.set("unacked_mutex", "killed-sweeper", px=px)
+        run.worker("w1")
+        wait_for(
+            lambda: "i0" in run.done_items(),
+            timeout=2 * S14_CHAIN,
+            interval=0.25,
+            message=f"i0 still unacked after {2 * S14_CHAIN} s (restore mutex set for {px} ms)",
+        )
+    finally:
+        run.close()
+
+
+@pytest.mark.chaos_full
+def test_s14_message_lost_by_the_broker_is_told_apart(tmp_path: Path) -> None:
+    """kombu's Redis transport keeps a BRPOP waiting; the message it pops is recorded in
+    ``unacked`` only when the worker's event loop reads the reply. A worker SIGKILLed in
+    between (on a loaded machine it may not run for a while) loses the message: nothing
+    can deliver it again. Here the worker is stopped (SIGSTOP) so the window stays open:
+    the checker must call the item lost by the broker, not unfinished."""
+    run = CeleryRun(tmp_path / "run", CHAOS_VISIBILITY=str(S14_VISIBILITY))
+    try:
+        w0 = run.worker("w0", concurrency=1)
+        run.wait_ready(w0, "ready.")
+        w0.signal(signal.SIGSTOP)  # the main process only: its BRPOP stays pending
+        run.send("chaos.work", "i0", "k0", 0.1)
+        with run.broker.client() as conn:
+            wait_for(lambda: conn.llen("celery") == 0, timeout=10, interval=0.05)
+            assert conn.hlen("unacked") == 0  # popped, not recorded
+        run.kill("w0")
+        run.wait_ready(run.worker("w1"), "ready.")
+        # Nothing to wait for: a few visibility timeouts and restore sweeps (1 s) pass.
+        time.sleep(3 * (S14_VISIBILITY + 1.0))
+        run.h.write("broker_state", **run.broker_state())
+        run.stop("w1")
+        report = checker.check(run.events())
+        assert report.verdicts["broker_lost"].violations == 1, report.format()
+        assert report.verdicts["finished"].violations == 0, report.format()
+    finally:
+        run.close()
