@@ -437,9 +437,12 @@ def test_s14_worker_killed_inside_a_restore_sweep(tmp_path: Path) -> None:
     ``i4`` ended with them unacked and the mutex 205 s from expiring (kombu's default:
     300 s). The chaos app keeps it short: a killed worker's job runs within the chain
     of waits the settle time is sized from."""
+    # Twice s14's visibility timeout: w0's own sweeps must not hand the running job back
+    # to the queue before w0 is killed (the kill comes right after its body starts).
+    visibility = 2 * S14_VISIBILITY
     run = CeleryRun(
         tmp_path / "run",
-        CHAOS_VISIBILITY=str(S14_VISIBILITY),
+        CHAOS_VISIBILITY=str(visibility),
         CHAOS_LOCK_TTL=str(S14_LOCK_TTL),
         CHAOS_MUTEX_EXPIRE=str(S14_MUTEX_EXPIRE),
     )
@@ -458,11 +461,12 @@ def test_s14_worker_killed_inside_a_restore_sweep(tmp_path: Path) -> None:
             # Killed inside a sweep: its mutex stays as long as that sweep set it to.
             assert conn.set("unacked_mutex", "killed-sweeper", px=px)
         run.worker("w1")
+        settle = 2 * (S14_CHAIN + visibility - S14_VISIBILITY)
         wait_for(
             lambda: "i0" in run.done_items(),
-            timeout=2 * S14_CHAIN,
+            timeout=settle,
             interval=0.25,
-            message=f"i0 still unacked after {2 * S14_CHAIN} s (restore mutex set for {px} ms)",
+            message=f"i0 still unacked after {settle} s (restore mutex set for {px} ms)",
         )
     finally:
         run.close()
