@@ -8,6 +8,7 @@ Environment (set by :mod:`tests.chaos.test_celery_chaos`):
 ``CHAOS_MASTERS``   comma-separated Redlock master URLs
 ``CHAOS_RESOURCE``  the protected resource's redis-server
 ``CHAOS_VISIBILITY`` broker visibility timeout in seconds
+``CHAOS_MUTEX_EXPIRE`` kombu's ``unacked_mutex_expire`` in seconds (default 5, not 300)
 ``CHAOS_LOCK_TTL``  ``redlock_ttl``; ``CHAOS_BEAT_TTL``: ``redlock_beat_lease_ttl``
 ``CHAOS_BEAT_LEADER`` ``"0"`` turns beat leadership off (negative control)
 ``CHAOS_SCHEDULE``  JSON: entry name -> interval seconds, each calling ``chaos.tick``
@@ -33,13 +34,16 @@ from celery_redlock import SingletonTask
 from celery_redlock import signals as redlock_signals
 from celery_redlock.exceptions import RedlockError
 
-from .history import History, ns
+from .history import MSG_HEADER, History, ns
 from .instrument import InstrumentedRedlock, lease_id
 from .resource import FencedStore, UnfencedCounter
 
 NAME = os.environ.get("CHAOS_NAME", "celery")
 H = History(os.environ["CHAOS_HISTORY"], NAME)
 SENT_AT = "chaos_sent_at"
+WORK_TASKS = ("chaos.work", "chaos.plain_work")
+#: Seconds kombu's restore mutex outlives a worker killed while holding it.
+UNACKED_MUTEX_EXPIRE = float(os.environ.get("CHAOS_MUTEX_EXPIRE", "5"))
 
 
 class _RecordedRedlock(InstrumentedRedlock):
@@ -57,6 +61,11 @@ app.conf.update(
         "visibility_timeout": float(os.environ.get("CHAOS_VISIBILITY", "3600")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # A restore sweep holds kombu's "unacked_mutex" (a Redis lock) for milliseconds;
+        # a worker SIGKILLed inside one leaves it until it expires (300 s by default), and
+        # no worker restores anything meanwhile: the killed worker's jobs stay unacked
+        # far past any settle wait. Seconds are enough for a sweep.
+        "unacked_mutex_expire": UNACKED_MUTEX_EXPIRE,
     },
     broker_connection_retry_on_startup=True,
     task_acks_late=True,
@@ -118,10 +127,31 @@ def _beat_status(sender: Any = None, status: str = "", previous: str = "", **_: 
 
 
 @celery_signals.before_task_publish.connect(dispatch_uid="chaos.stamp", weak=False)
-def _stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    if headers is not None:
-        headers.setdefault(SENT_AT, time.time())  # noqa: TID251 - compared across processes
-        headers.setdefault("chaos_sender", NAME)
+def _stamp(
+    sender: Any = None, body: Any = None, headers: dict[str, Any] | None = None, **_: Any
+) -> None:
+    if headers is None:
+        return
+    headers.setdefault(SENT_AT, time.time())  # noqa: TID251 - compared across processes
+    headers.setdefault("chaos_sender", NAME)
+    if sender in WORK_TASKS:
+        # Every message of a work item gets its own id (a republish copies the request's
+        # headers: overwritten here), so the checker can tell a message the broker lost
+        # (published, never received by any worker) from a job the library dropped.
+        msg = headers[MSG_HEADER] = uuid.uuid4().hex[:12]
+        args = body[0] if isinstance(body, list | tuple) and body else None
+        item = args[0] if isinstance(args, list | tuple) and args else None
+        H.write("publish", item=item, task_id=headers.get("id"), msg=msg)
+
+
+@celery_signals.task_received.connect(dispatch_uid="chaos.received", weak=False)
+def _received(request: Any = None, **_: Any) -> None:
+    # Sent by the worker's main process once kombu has recorded the message as unacked
+    # (delivered): from here on a SIGKILL leaves it for the broker to deliver again.
+    if request is None or request.name not in WORK_TASKS:
+        return
+    headers = getattr(getattr(request, "message", None), "headers", None) or {}
+    H.write("received", task_id=request.id, msg=headers.get(MSG_HEADER))
 
 
 def _body(task: Any, item: str, key: str, seconds: float, lease: Any) -> None:

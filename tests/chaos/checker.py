@@ -20,7 +20,15 @@ Properties (each gets a verdict):
 ``takeover``           time from a holder's SIGKILL to the next acquisition of its key
 ``call_timing``        a round to the masters that took longer than its node-timeout bound
 ``no_quorum_run``      a critical section whose acquisition started while no quorum existed
-``finished``           a submitted work item (task) that never finished
+``finished``           a submitted work item (task) that never finished, unless the broker
+                       lost its last message (``broker_lost``)
+``broker_lost``        a work item whose last message the broker lost: published, never
+                       received by a worker, gone at the end, a worker SIGKILLed after its
+                       publish (kombu's Redis transport pops a message with BRPOP before
+                       it records it in ``unacked``: a worker killed in between loses it).
+                       Needs the Celery scenarios' ``publish``/``received``/
+                       ``broker_state`` events; the detail also names items still unacked
+                       behind a killed worker's restore mutex (not excused)
 ``recovered``          no critical section completed after the last fault healed, or a
                        client that did not stop when asked (hung)
 ``beat_once``          a beat occurrence that ran twice, or was skipped
@@ -35,7 +43,7 @@ import bisect
 import dataclasses
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 __all__ = ["PROPERTIES", "Holder", "Report", "Verdict", "check"]
@@ -55,6 +63,7 @@ PROPERTIES = (
     "call_timing",
     "no_quorum_run",
     "finished",
+    "broker_lost",
     "recovered",
     "beat_once",
 )
@@ -558,22 +567,74 @@ def _no_quorum(events: Sequence[Event], holders: Mapping[tuple[str, str], Holder
     return v
 
 
-def _finished(events: Sequence[Event]) -> Verdict:
+def _missing(events: Sequence[Event]) -> tuple[dict[str, Event], dict[str, int], list[str]]:
+    """Submitted items (in submission order), how often each finished, the unfinished."""
     submitted = {e["item"]: e for e in events if e["ev"] == "submit"}
     runs: dict[str, int] = defaultdict(int)
     for e in events:
         if e["ev"] == "done":
             runs[e["item"]] += 1
-    missing = [i for i in submitted if i not in runs]
-    v = Verdict("finished", NONE, len(missing), applicable=bool(submitted))
+    return submitted, runs, [i for i in submitted if i not in runs]
+
+
+def _broker_lost(events: Sequence[Event]) -> tuple[Verdict, set[str]]:
+    """Unfinished items whose last message the broker lost or withholds (see the module
+    docstring), and the verdict. Not applicable without a ``broker_state`` event."""
+    states = [e for e in events if e["ev"] == "broker_state"]
+    if not states:
+        return Verdict("broker_lost", NONE, 0, applicable=False), set()
+    state = states[-1]
+    queued, unacked = set(state.get("queued") or ()), set(state.get("unacked") or ())
+    mutex_held = (state.get("mutex_pttl_ms") or -2) > 0
+    received = {e.get("msg") for e in events if e["ev"] == "received"}
+    kills = [e["t"] for e in events if e["ev"] == "kill"]
+    last: dict[str, Event] = {}
+    gone: list[Event] = []  # published, never received, not in the broker: lost
+    for e in events:
+        if e["ev"] not in ("submit", "publish") or not e.get("msg"):
+            continue
+        last[e["item"]] = e
+        m = e["msg"]
+        lost_here = m not in received and m not in queued and m not in unacked
+        if lost_here and any(k > e["t"] for k in kills):
+            gone.append(e)
+    gone_msgs = {e["msg"] for e in gone}
+    _, _, missing = _missing(events)
+    lost, withheld = [], []
+    for item in missing:
+        m = last[item]["msg"] if item in last else None
+        if m in gone_msgs:
+            lost.append(item)
+        elif m in unacked and mutex_held:
+            withheld.append(item)
+    v = Verdict("broker_lost", NONE, len(lost))
+    v.detail = f"{len(gone)} messages lost by the broker ({len(lost)} of them an item's last)"
+    if lost:
+        v.detail += f": items {sorted(lost)}"
+    if withheld:
+        # Not excused: the scenario keeps kombu's unacked_mutex_expire short, so this
+        # means its settle wait was too short; ``finished`` counts them.
+        v.detail += (
+            f"; items {sorted(withheld)} still unacked behind a held restore mutex"
+            f" ({state.get('mutex_pttl_ms')} ms left)"
+        )
+    return v, set(lost)
+
+
+def _finished(events: Sequence[Event], broker_items: Set[str] = frozenset()) -> Verdict:
+    submitted, runs, missing = _missing(events)
+    unexplained = [i for i in missing if i not in broker_items]
+    v = Verdict("finished", NONE, len(unexplained), applicable=bool(submitted))
     if submitted:
         again = sum(1 for i in submitted if runs.get(i, 0) > 1)
         v.detail = (
             f"{len(submitted)} submitted, {len(submitted) - len(missing)} finished"
             f" ({again} finished more than once: at-least-once delivery)"
         )
-        if missing:
-            v.detail += f"; first missing {missing[0]}"
+        if unexplained:
+            v.detail += f"; first missing {unexplained[0]}"
+        if len(unexplained) < len(missing):
+            v.detail += f"; {len(missing) - len(unexplained)} lost by the broker (broker_lost)"
     return v
 
 
@@ -649,6 +710,7 @@ def check(
     holders = build_holders(events)
     overlap, valid = _overlaps(events, holders)
     stale, order, lost_fenced, refused = _store(events)
+    broker, broker_items = _broker_lost(events)
     verdicts = [
         overlap,
         valid,
@@ -660,7 +722,8 @@ def check(
         _takeover(events, holders, takeover_bound_ms),
         _call_timing(events, call_slack_ms),
         _no_quorum(events, holders),
-        _finished(events),
+        _finished(events, broker_items),
+        broker,
         _recovered(events),
         _beat(events, None),
     ]

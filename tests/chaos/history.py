@@ -22,7 +22,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["History", "load", "ns"]
+__all__ = ["MSG_HEADER", "History", "load", "ns"]
+
+#: Celery message header carrying a work item message's own id (set by the test at submit and
+#: by :mod:`tests.chaos.celeryproj` at every republish; read back from the broker).
+MSG_HEADER = "chaos_msg"
 
 #: Lines longer than this are still written with one ``os.write``; PIPE_BUF does not
 #: apply to regular files, where O_APPEND makes each write(2) atomic on Linux.

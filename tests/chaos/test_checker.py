@@ -332,6 +332,37 @@ def test_every_submitted_item_finishes() -> None:
     assert verdict(h, "finished").violations == 0
 
 
+def test_a_message_the_broker_lost_is_told_from_a_dropped_job() -> None:
+    """``i1``'s last message was published, never received, and is gone from the broker
+    after a worker was SIGKILLed: the broker lost it (broker_lost, not finished). ``i2``'s
+    was received and then nothing: the library dropped it (finished)."""
+    h = H().at(0, "t", "submit", item="i1", msg="m1").at(0, "t", "submit", item="i2", msg="m2")
+    h.at(1, "w0", "received", msg="m1").at(1, "w0", "received", msg="m2")
+    h.at(2, "w0", "publish", item="i1", msg="m1b").at(2, "w0", "publish", item="i2", msg="m2b")
+    h.at(3, "w1", "received", msg="m2b")
+    h.at(4, "t", "kill", target="w0")
+    h.at(9, "t", "broker_state", queued=[], unacked=[], mutex_pttl_ms=-2)
+    lost, finished = verdict(h, "broker_lost"), verdict(h, "finished")
+    assert (lost.violations, finished.violations) == (1, 1)
+    assert "['i1']" in lost.detail
+    assert "first missing i2" in finished.detail
+    assert "1 lost by the broker" in finished.detail
+
+
+def test_a_message_still_in_the_broker_is_not_lost_by_it() -> None:
+    """Queued, or unacked behind a killed worker's restore mutex: the broker still holds
+    it, so the item counts as unfinished (the settle wait was too short), named in the
+    broker_lost detail; and without a broker_state event broker_lost does not apply."""
+    h = H().at(0, "t", "submit", item="i1", msg="m1").at(0, "t", "submit", item="i2", msg="m2")
+    h.at(1, "w0", "received", msg="m2").at(4, "t", "kill", target="w0")
+    assert not verdict(h, "broker_lost").applicable
+    assert verdict(h, "finished").violations == 2
+    h.at(9, "t", "broker_state", queued=["m1"], unacked=["m2"], mutex_pttl_ms=200_000)
+    lost, finished = verdict(h, "broker_lost"), verdict(h, "finished")
+    assert (lost.violations, finished.violations) == (0, 2)
+    assert "['i2'] still unacked behind a held restore mutex" in lost.detail
+
+
 def test_recovered_after_the_faults() -> None:
     h = H().at(0, "a", "agent_start").hold("a", "A", 10, 20)
     h.at(30, "injector", "fault_start", fault="x").at(40, "injector", "fault_end", fault="x")
