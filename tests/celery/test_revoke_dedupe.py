@@ -67,6 +67,7 @@ def _revoke(app: Any, worker: CeleryProcess, task_id: str) -> None:
         ("threads", LOOPQ),
         ("solo", LOOPQ),
         ("gevent", LOOPQ),
+        ("eventlet", LOOPQ),
         ("threads", LOOPA),
     ],
 )
