@@ -106,7 +106,9 @@ _worker_nodename: str | None = None
 
 
 class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
-    """Worker bootstep: validates configuration when the worker starts."""
+    """Worker bootstep: validates configuration when the worker starts, and wraps its
+    ``revoke`` control commands so a revoked waiting job's dedupe marker goes at once
+    (see :mod:`celery_redlock.revoke`)."""
 
     name = "celery_redlock.validate"
 
@@ -114,6 +116,9 @@ class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships n
         global _worker_nodename
         validate_app(worker.app)
         _worker_nodename = getattr(worker, "hostname", None)
+        from .revoke import wrap_revoke_commands
+
+        wrap_revoke_commands()
         from celery.apps.worker import Worker
 
         # `celery worker` (not an in-process test worker, which is no apps.worker.Worker),

@@ -65,6 +65,8 @@ SLEEPER = "redlock_proj.sleeper"
 LIMITED = "redlock_proj.limited"
 #: Like ``loop``, with the default enqueue dedupe ("queued").
 LOOPQ = "redlock_proj.loopq"
+#: Like ``loop``, with ``dedupe="active"``.
+LOOPA = "redlock_proj.loopa"
 WATCHER = "redlock_proj.watcher"
 
 #: The signals :func:`record_signals` records.
@@ -193,6 +195,10 @@ def make_app(env: Mapping[str, str]) -> Celery:
 
     @singleton(LOOPQ, "loopq")
     def loopq(self: Any, name: str, seconds: float = 60.0) -> str:
+        return run_until_stopped(self, name, seconds)
+
+    @singleton(LOOPA, "loopa", dedupe="active")
+    def loopa(self: Any, name: str, seconds: float = 60.0) -> str:
         return run_until_stopped(self, name, seconds)
 
     @singleton(SLEEPER, "sleeper", lock_ttl=1, dedupe=None)
