@@ -212,4 +212,6 @@ def tick(self: Any, entry: str, every: float) -> None:
         sender=request.get("chaos_sender"),
         # a coalesced late send stands for this many occurrences (redlock_beat_catch_up)
         catch_up=request.get("redlock_catch_up"),
+        # ... and which others (as the worker left the header after the run claims)
+        covers=request.get("redlock_catch_up_of"),
     )
