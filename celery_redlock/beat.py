@@ -383,8 +383,10 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
 
     Missed occurrences (after a takeover, after an outage, after claims that failed) are
     found the same way by every beat: walking back from the latest one due, claiming
-    each on the quorum, down to the first one somebody claimed (at most
-    :data:`MAX_CATCH_UP`, and no further back than a claim lives). What is done with
+    each on the quorum, down to the first one a worker took (at most
+    :data:`MAX_CATCH_UP`, and no further back than a claim lives); one another beat
+    claimed but no worker took is listed too (its beat may have died before sending it),
+    and the worker's run claims decide which message stands for it. What is done with
     them is ``redlock_beat_catch_up``: ``"one"`` sends the latest, once, standing for all
     of them (logged with the count; header ``redlock_catch_up``), ``"all"`` sends each,
     ``"none"`` sends none (logged). The walk's claims are what makes the window the

@@ -46,6 +46,14 @@ class _RecordedRedlock(InstrumentedRedlock):
     def __init__(self, masters: Any, **kwargs: Any) -> None:
         super().__init__(masters, history=H, **kwargs)
 
+    def claim(self, key: str, suffix: str, value: str, ttl: float, **kwargs: Any) -> Any:
+        # Beat occurrence claims (sent by a beat, run by a worker) in the history, so a
+        # report can tell "claimed, never published" from "published, never run".
+        holder, fresh = super().claim(key, suffix, value, ttl, **kwargs)
+        if key.startswith("beat:") and suffix in ("sent", "run"):
+            H.write("claim", key=key, suffix=suffix, value=value, holder=holder, fresh=fresh)
+        return holder, fresh
+
 
 # The app's client is built by celery_redlock.client.redlock_for: make it the recorded one.
 celery_redlock.client.Redlock = _RecordedRedlock  # type: ignore[misc]
@@ -122,6 +130,13 @@ def _stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if headers is not None:
         headers.setdefault(SENT_AT, time.time())  # noqa: TID251 - compared across processes
         headers.setdefault("chaos_sender", NAME)
+        if headers.get("redlock_occurrence"):
+            H.write(
+                "beat_publish",
+                occurrence=headers["redlock_occurrence"],
+                task_id=headers.get("id"),
+                covers=headers.get("redlock_catch_up_of"),
+            )
 
 
 def _body(task: Any, item: str, key: str, seconds: float, lease: Any) -> None:
