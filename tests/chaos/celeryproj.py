@@ -11,6 +11,8 @@ Environment (set by :mod:`tests.chaos.test_celery_chaos`):
 ``CHAOS_LOCK_TTL``  ``redlock_ttl``; ``CHAOS_BEAT_TTL``: ``redlock_beat_lease_ttl``
 ``CHAOS_BEAT_LEADER`` ``"0"`` turns beat leadership off (negative control)
 ``CHAOS_SCHEDULE``  JSON: entry name -> interval seconds, each calling ``chaos.tick``
+``CHAOS_PUBLISH_DELAY`` seconds a beat waits between claiming an occurrence and publishing
+                    it (widens the window in which a kill leaves a claim and no message)
 
 The app's Redlock is the instrumented one (:mod:`tests.chaos.instrument`), so every round
 to the masters, renewal and loss inside the worker is in the history too.
@@ -40,6 +42,7 @@ from .resource import FencedStore, UnfencedCounter
 NAME = os.environ.get("CHAOS_NAME", "celery")
 H = History(os.environ["CHAOS_HISTORY"], NAME)
 SENT_AT = "chaos_sent_at"
+PUBLISH_DELAY = float(os.environ.get("CHAOS_PUBLISH_DELAY", "0"))
 
 
 class _RecordedRedlock(InstrumentedRedlock):
@@ -130,6 +133,10 @@ def _stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if headers is not None:
         headers.setdefault(SENT_AT, time.time())  # noqa: TID251 - compared across processes
         headers.setdefault("chaos_sender", NAME)
+        if headers.get("redlock_occurrence") and PUBLISH_DELAY:
+            # The occurrence is claimed; a SIGKILL now leaves the claim and no message.
+            H.write("beat_publish_wait", occurrence=headers["redlock_occurrence"])
+            time.sleep(PUBLISH_DELAY)
         if headers.get("redlock_occurrence"):
             H.write(
                 "beat_publish",
