@@ -50,7 +50,6 @@ from typing import Any
 
 from celery import bootsteps
 from celery.schedules import schedule as interval_schedule
-from celery.utils import uuid
 
 from . import signals
 from .client import redlock_for
@@ -63,6 +62,7 @@ from .task import drop_held_duplicate
 __all__ = [
     "ANCHOR_SUFFIX",
     "CATCH_UP_HEADER",
+    "CATCH_UP_OF_HEADER",
     "OCCURRENCE_HEADER",
     "OPT_OUT_OPTION",
     "BeatLeader",
@@ -70,6 +70,7 @@ __all__ = [
     "anchor_key",
     "beat_namespace",
     "beat_status",
+    "claim_occurrences",
     "guard_scheduler",
     "is_anchor_key",
     "occurrence_key",
@@ -81,6 +82,10 @@ logger = guard(logging.getLogger("celery_redlock.beat"))  # see celery_redlock.r
 OCCURRENCE_HEADER = "redlock_occurrence"
 #: Header of a coalesced late send: how many occurrences it stands for (absent: one).
 CATCH_UP_HEADER = "redlock_catch_up"
+#: Header of a coalesced late send: the other occurrences it stands for, newest first.
+#: The worker keeps those no other message ran (:func:`claim_occurrences`) and rewrites
+#: this header, :data:`CATCH_UP_HEADER` and :data:`OCCURRENCE_HEADER` to what it won.
+CATCH_UP_OF_HEADER = "redlock_catch_up_of"
 #: Message header: how long the occurrence's claims live (the entry's claim TTL), so the
 #: worker's run claim lives as long as the beat's send claim: a run claim gone before it
 #: would let a new leader take the occurrence for unsent and send it again.
@@ -378,8 +383,10 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
 
     Missed occurrences (after a takeover, after an outage, after claims that failed) are
     found the same way by every beat: walking back from the latest one due, claiming
-    each on the quorum, down to the first one somebody claimed (at most
-    :data:`MAX_CATCH_UP`, and no further back than a claim lives). What is done with
+    each on the quorum, down to the first one a worker took (at most
+    :data:`MAX_CATCH_UP`, and no further back than a claim lives); one another beat
+    claimed but no worker took is listed too (its beat may have died before sending it),
+    and the worker's run claims decide which message stands for it. What is done with
     them is ``redlock_beat_catch_up``: ``"one"`` sends the latest, once, standing for all
     of them (logged with the count; header ``redlock_catch_up``), ``"all"`` sends each,
     ``"none"`` sends none (logged). The walk's claims are what makes the window the
@@ -504,20 +511,23 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             if last is not None and index > last + 1:
                 # A gap in our own term: claims that failed (a timeout, a short outage)
                 # or a tick that stalled for over an interval.
-                missed = _walk(entry.name, _interval_ids(entry, index - 1, last + 1))[0]
+                missed = _walk(entry.name, _interval_ids(entry, index - 1, last + 1))
             last_sent[entry.name] = max(index, last if last is not None else index)
             held_over = carried.pop(entry.name, None)
             if held_over is not None and index > held_over[0]:
                 missed += held_over[1]
         elif passed.get(entry.name):
             earlier = [o for _, o, due in passed.pop(entry.name) if _fresh_enough(entry, due)]
-            missed = _walk(entry.name, [o for o in reversed(earlier) if o != occurrence])[0]
+            missed = _walk(entry.name, [o for o in reversed(earlier) if o != occurrence])
         return _deliver(entry, occurrence, missed, producer)
 
     def _deliver(entry: Any, current: str | None, missed: list[str], producer: Any) -> Any:
         """Send ``current`` (or, at a takeover, the latest missed) by ``mode``.
 
-        ``missed`` are occurrences nobody sent, newest first, all freshly claimed by us.
+        ``missed`` are occurrences nobody sent or ran, newest first (see ``_walk``). A
+        coalesced send lists the others it stands for (header ``redlock_catch_up_of``);
+        the worker that gets it keeps those no other message ran
+        (:func:`claim_occurrences`).
         """
         name = entry.name
         if mode == "all":
@@ -553,7 +563,8 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 )
             )
         latest = current if current is not None else missed[0]
-        count = len(missed) + (current is not None)
+        covers = missed if current is not None else missed[1:]
+        count = len(covers) + 1
         if count > 1 or current is None:
             logger.warning(
                 "beat: sending %s%s, standing for %d occurrence(s) nobody sent%s "
@@ -564,7 +575,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 f" ({missed[-1]} .. {latest})" if count > 1 else "",
             )
         return original(
-            _tagged(entry, latest, catch_up=count, claim_ttl=_claim_ttl(entry)), producer=producer
+            _tagged(entry, latest, covers=covers, claim_ttl=_claim_ttl(entry)), producer=producer
         )
 
     def _interval_ids(entry: Any, newest: int, oldest: int | None = None) -> list[str]:
@@ -575,31 +586,49 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         floor = max(0, newest - reach + 1, oldest if oldest is not None else 0)
         return [f"{entry.name}#{i}" for i in range(newest, floor - 1, -1)]
 
-    def _walk(name: str, candidates: list[str]) -> tuple[list[str], str | None]:
-        """Claim ``candidates`` (newest first) down to the first one somebody claimed.
+    def _walk(name: str, candidates: list[str]) -> list[str]:
+        """Claim ``candidates`` (newest first) down to the first one that ran.
 
-        Returns (the ones we claimed fresh, the first one claimed by another beat or
-        None). Unreachable masters end the walk (logged).
+        An occurrence another beat claimed but no worker took (no run claim) may never
+        have been published: its beat can die between the claim and the send. It is
+        listed too (except with ``"none"``), and the walk goes on: the worker that gets
+        our message runs it only if no other message ran it first (its run claim, see
+        :func:`claim_occurrences`), so listing one that was sent after all costs nothing.
+
+        Returns the ones to send, newest first: claimed fresh by us, or claimed by
+        another beat and not taken by a worker. Unreachable masters end the walk
+        (logged).
         """
         mine: list[str] = []
         for occurrence in candidates:
+            key = occurrence_key(namespace, occurrence)
             try:
                 holder, fresh = redlock.claim(
-                    occurrence_key(namespace, occurrence),
+                    key,
                     CLAIM_SUFFIX,
                     leader.identity,
                     _claim_ttl_of(name),
                     guard_for=_guard_window(leader.lease_ttl),
                 )
+                taken = holder != leader.identity and (
+                    mode == "none" or redlock.claimed(key, RUN_SUFFIX)
+                )
             except RedlockError as exc:
                 _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
                 break
-            if holder != leader.identity:
-                return mine, occurrence
-            if not fresh:
+            if taken:
                 break
+            if holder == leader.identity and not fresh:
+                break
+            if holder != leader.identity:
+                logger.info(
+                    "beat: %s was claimed by %s but no worker took it (its sender may have "
+                    "died before publishing it): sending it again (a worker runs it once)",
+                    occurrence,
+                    holder,
+                )
             mine.append(occurrence)
-        return mine, None
+        return mine
 
     claim_ttls: dict[str, float] = {}
 
@@ -665,7 +694,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                 return
             _claim_ttl(entry)
             candidates = list(reversed(kept))
-        missed, other = _walk(name, candidates)
+        missed = _walk(name, candidates)
         if missed:
             if _numbered(entry.schedule):
                 latest = _index(missed[0])
@@ -680,34 +709,6 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             _deliver(entry, None, missed, None)
             if not _numbered(entry.schedule) and mode != "none":
                 _record_late_send(scheduler, entry)
-        elif other is not None and other == candidates[0] and mode != "none":
-            # The old leader claimed the latest one: it may have died before publishing.
-            task_id = _claim_run(name, other)
-            if task_id is not None:
-                logger.warning(
-                    "beat: sending %s again: no worker has it (its sender may have died "
-                    "before publishing it; a worker drops a second copy)",
-                    other,
-                )
-                original(
-                    _tagged(entry, other, task_id=task_id, claim_ttl=_claim_ttl(entry)),
-                    producer=None,
-                )
-
-    def _claim_run(name: str, occurrence: str) -> str | None:
-        task_id = uuid()
-        try:
-            holder, fresh = redlock.claim(
-                occurrence_key(namespace, occurrence),
-                RUN_SUFFIX,
-                task_id,
-                _claim_ttl_of(name),
-                guard_for=_guard_window(leader.lease_ttl),
-            )
-        except RedlockError as exc:
-            _not_sent(name, occurrence, f"cannot claim its run: {exc}")
-            return None
-        return task_id if holder == task_id and fresh else None
 
     scheduler.apply_entry = types.MethodType(apply_entry, scheduler)
     scheduler.reserve = types.MethodType(reserve, scheduler)
@@ -793,17 +794,18 @@ def _tagged(
     occurrence: str,
     *,
     task_id: str | None = None,
-    catch_up: int = 1,
+    covers: list[str] | None = None,
     claim_ttl: float | None = None,
 ) -> Any:
     """A shallow copy of ``entry`` whose message carries the occurrence header (and,
-    for a coalesced late send, how many occurrences it stands for)."""
+    for a coalesced late send, how many occurrences it stands for and which others)."""
     sent = _copy_entry(entry)
     options = {k: v for k, v in (entry.options or {}).items() if k != OPT_OUT_OPTION}
     headers = dict(options.get("headers") or {})
     headers[OCCURRENCE_HEADER] = occurrence
-    if catch_up > 1:
-        headers[CATCH_UP_HEADER] = catch_up
+    if covers:
+        headers[CATCH_UP_HEADER] = len(covers) + 1
+        headers[CATCH_UP_OF_HEADER] = list(covers)
     if claim_ttl is not None:
         headers[CLAIM_TTL_HEADER] = claim_ttl
     options["headers"] = headers
@@ -872,24 +874,73 @@ def is_duplicate_occurrence(
     redelivery), which keeps the id and the headers. Masters unavailable: not a
     duplicate (the task's own lock, if any, still guards it).
     """
+    return not claim_occurrences(app, [occurrence], task_id, claim_ttl)
+
+
+def claim_occurrences(
+    app: Any, occurrences: list[str], task_id: str, claim_ttl: object = None
+) -> list[str]:
+    """Claim the run of each of ``occurrences`` for ``task_id``; return those it won.
+
+    A beat message stands for its occurrence and, if it is a coalesced late send, the
+    others it lists (:data:`CATCH_UP_OF_HEADER`). Each occurrence runs under the first
+    task id that claims its run on the quorum and under no other: a message that wins
+    none is a duplicate. The same task id wins again (the same job coming back). An
+    occurrence whose claim cannot be made (masters unavailable) counts as won: the
+    message runs, as before this check existed (the task's own lock, if any, still
+    guards it); a warning says so.
+    """
     redlock = redlock_for(app)
+    namespace = beat_namespace(app)
+    won: list[str] = []
     try:
         settings = get_settings(app)
         ttl = settings.dedupe_ttl
         if isinstance(claim_ttl, (int, float)) and not isinstance(claim_ttl, bool):
             # As long as the beat's claims of the occurrence (bounded like any claim).
             ttl = max(ttl, min(float(claim_ttl), limits.MAX_CLAIM_TTL))
-        holder, _ = redlock.claim(
-            occurrence_key(beat_namespace(app), occurrence),
-            RUN_SUFFIX,
-            task_id,
-            ttl,
-            guard_for=_guard_window(settings.beat_lease_ttl),
-        )
+        guard_for = _guard_window(settings.beat_lease_ttl)
     except RedlockError as exc:
-        logger.warning("cannot check beat occurrence %s: %s; running it", occurrence, exc)
-        return False
-    return holder != task_id
+        logger.warning("cannot check beat occurrences %s: %s; running it", occurrences, exc)
+        return list(occurrences)
+    for occurrence in occurrences:
+        try:
+            holder, _ = redlock.claim(
+                occurrence_key(namespace, occurrence),
+                RUN_SUFFIX,
+                task_id,
+                ttl,
+                guard_for=guard_for,
+            )
+        except RedlockError as exc:
+            logger.warning("cannot check beat occurrence %s: %s; running it", occurrence, exc)
+            won.append(occurrence)
+            continue
+        if holder == task_id:
+            won.append(occurrence)
+    return won
+
+
+def _stands_for(headers: dict[str, Any]) -> list[str]:
+    """The occurrences a beat message stands for, its own first (a malformed list of
+    others is ignored: the message stands for its own occurrence)."""
+    occurrences = [str(headers[OCCURRENCE_HEADER])]
+    others = headers.get(CATCH_UP_OF_HEADER)
+    if isinstance(others, (list, tuple)):
+        occurrences += [str(o) for o in others[:MAX_CATCH_UP] if o and str(o) not in occurrences]
+    return occurrences
+
+
+def _keep_won(headers: dict[str, Any], won: list[str]) -> None:
+    """Make a beat message's headers say what it stands for after the run claims: the
+    newest occurrence it won, how many and which others (``won`` is newest first)."""
+    headers[OCCURRENCE_HEADER] = won[0]
+    if len(won) > 1:
+        headers[CATCH_UP_HEADER] = len(won)
+        headers[CATCH_UP_OF_HEADER] = won[1:]
+    else:
+        headers.pop(CATCH_UP_HEADER, None)
+        headers.pop(CATCH_UP_OF_HEADER, None)
 
 
 class DropDuplicateOccurrences(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -923,7 +974,20 @@ def _wrap_strategy(
         occurrence = headers.get(OCCURRENCE_HEADER)
         if occurrence:
             task_id = headers.get("id") or ""
-            if is_duplicate_occurrence(app, occurrence, task_id, headers.get(CLAIM_TTL_HEADER)):
+            stands_for = _stands_for(headers)
+            won = claim_occurrences(app, stands_for, task_id, headers.get(CLAIM_TTL_HEADER))
+            if won != stands_for and won:
+                # A coalesced send some of whose occurrences ran under another message:
+                # it stands for the rest. The request is built from these headers.
+                logger.warning(
+                    "%s[%s]: beat occurrence(s) %s ran already; this run stands for %s",
+                    name,
+                    task_id,
+                    [o for o in stands_for if o not in won],
+                    won,
+                )
+                _keep_won(headers, won)
+            if not won:
                 logger.warning(
                     "%s[%s]: beat occurrence %s already ran; dropped", name, task_id, occurrence
                 )

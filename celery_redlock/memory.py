@@ -220,6 +220,11 @@ class MemoryRedlock(Redlock):
             self._values[name] = (value, self._clock() + ttl)
             return value, True
 
+    def claimed(self, key: str, suffix: str) -> bool:
+        """:meth:`Redlock.claimed`, in this process."""
+        with self._mutex:
+            return self._get(self._claim_name(key, suffix)) is not None
+
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
         with self._mutex:
             return self._delete_if(self._claim_name(key, suffix), value)

@@ -598,6 +598,16 @@ class Redlock:
             self._errors(result, dict.fromkeys(quarantined, "kept out after a restart")),
         )
 
+    def claimed(self, key: str, suffix: str) -> bool:
+        """True when ``<prefix>:{key}:<suffix>`` (a :meth:`claim`) holds a value on a quorum.
+
+        One read (``GET`` on every master, decided as soon as the answer is certain);
+        masters kept out after a restart are not counted. Raises
+        :class:`QuorumUnavailable` when too few masters answer.
+        """
+        command = pack(("GET", self._claim_name(key, suffix)))
+        return self._read_vote(key, lambda value: value is not None, command)
+
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
         """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""
         name = self._claim_name(key, suffix)

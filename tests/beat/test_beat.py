@@ -34,7 +34,7 @@ from celery.beat import Service
 import celery_redlock
 from celery_redlock import Redlock
 from celery_redlock import signals as redlock_signals
-from celery_redlock.beat import anchor_key, occurrence_key
+from celery_redlock.beat import anchor_key, is_duplicate_occurrence, occurrence_key
 from celery_redlock.keys import redis_key
 from celery_redlock.testing import Masters, RedisServer, wait_for
 
@@ -556,11 +556,14 @@ def _beat_app(masters: Masters, lease_ttl: float = 2, **schedule: float) -> Cele
 @contextlib.contextmanager
 def _leading_beat(app: Celery, tmp_path: Path) -> Iterator[tuple[Service, list[tuple[str, str]]]]:
     """A beat service of ``app`` in this process, leading, and the (occurrence, task id)
-    of every message it publishes; stopped and closed on exit."""
+    of every message it publishes (a coalesced late send: each occurrence it stands for,
+    oldest first); stopped and closed on exit."""
     published: list[tuple[str, str]] = []
 
     def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
         if headers and headers.get("redlock_occurrence"):
+            covers = reversed(headers.get("redlock_catch_up_of") or [])
+            published.extend((covered, headers["id"]) for covered in covers)
             published.append((headers["redlock_occurrence"], headers["id"]))
 
     celery_signals.before_task_publish.connect(on_publish, weak=False)
@@ -583,9 +586,10 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
     masters: Masters, tmp_path: Path, worker_took_it: bool
 ) -> None:
     """A leader killed between its claim of an occurrence and its publish leaves a claim
-    and no message. The new leader's catch-up sends that occurrence again, under a run
-    claim of its own (a worker then drops whichever copy comes second), unless a worker
-    already took it (its run claim exists)."""
+    and no message. The new leader's catch-up sends that occurrence again, unless a worker
+    already took it (its run claim exists). It writes no run claim of its own before
+    publishing (a kill there would lose the occurrence): the worker's run claim decides
+    which copy runs."""
     app = _beat_app(masters, lease_ttl=3, e=1.0)
     # What the dead leader left: an anchor 10.5 s ago, "sent" claims up to #last (the
     # last one never published), run claims by workers for all but #last.
@@ -618,7 +622,10 @@ def test_takeover_resends_the_old_leaders_last_claim_only_if_no_worker_took_it(
         (task_id,) = [t for o, t in published if o == f"e#{last}"]
         key = redis_key("redlock", occurrence_key(ns, f"e#{last}"), "run")
         with masters[0].client() as conn:
-            assert conn.get(key) == task_id.encode(), "resent without its run claim"
+            assert conn.get(key) is None, "the beat claimed the run before publishing"
+        # Whichever copy a worker gets first runs; the other is dropped.
+        assert not is_duplicate_occurrence(app, f"e#{last}", task_id, 3600)
+        assert is_duplicate_occurrence(app, f"e#{last}", "dead-leaders-copy", 3600)
 
 
 @pytest.mark.timeout(60)

@@ -493,14 +493,6 @@ def test_catch_up_modes_at_a_takeover(masters: Masters, tmp_path: Any, mode: str
     if mode != "one":  # the default: left unset, so this runs against afa3165 too
         app.conf.redlock_beat_catch_up = mode
     celery_redlock.install(app)
-    # 10.3 s: e#10 fell due 0.3 s ago, e#11 is 0.7 s away (more than the quarter interval
-    # under which a takeover leaves the late send to the next on-time one)
-    anchor = now() - 10.3
-    with contextlib.closing(Redlock(masters.urls)) as rl:
-        rl.claim(anchor_key("modes", "e"), "anchor:1", f"{anchor:.6f}", 3600)
-        for index in range(5):
-            rl.claim(occurrence_key("modes", f"e#{index}"), "sent", "dead-leader", 3600)
-            rl.claim(occurrence_key("modes", f"e#{index}"), "run", f"task-{index}", 3600)
     published: list[tuple[str, Any]] = []
 
     def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -512,6 +504,15 @@ def test_catch_up_modes_at_a_takeover(masters: Masters, tmp_path: Any, mode: str
     try:
         celery_signals.beat_init.send(sender=service)
         assert service._redlock_leader.leading
+        # Set up after the beat started (a loaded machine takes a while to start it):
+        # 10.3 s: e#10 fell due 0.3 s ago, e#11 is 0.7 s away (more than the quarter
+        # interval under which a takeover leaves the late send to the next on-time one)
+        anchor = now() - 10.3
+        with contextlib.closing(Redlock(masters.urls)) as rl:
+            rl.claim(anchor_key("modes", "e"), "anchor:1", f"{anchor:.6f}", 3600)
+            for index in range(5):
+                rl.claim(occurrence_key("modes", f"e#{index}"), "sent", "dead-leader", 3600)
+                rl.claim(occurrence_key("modes", f"e#{index}"), "run", f"task-{index}", 3600)
         service.scheduler.tick()  # the first tick of the term runs the catch-up
         at_takeover = list(published)
     finally:
@@ -652,3 +653,170 @@ def test_a_new_entry_is_sent_once_at_its_first_due_time(masters: Masters, tmp_pa
         service.scheduler.close()
     assert [name for name, _ in sent] == ["e#1"], sent
     assert 1.9 <= sent[0][1] - started <= 2.6
+
+
+# -- a takeover from a leader killed between its claim and its send ---------------------------
+
+
+def _takeover_sends(masters: Masters, tmp_path: Any, mode: str, app_name: str) -> list[Any]:
+    """A dead leader sent and a worker ran ``e#0..e#6`` of a 4 s entry anchored 40.4 s
+    ago; it claimed ``e#7`` and was killed before publishing it (no worker took it);
+    nobody claimed ``e#8..e#10``. A beat that now leads ticks once: what it publishes,
+    as (occurrence, redlock_catch_up, redlock_catch_up_of). (4 s: ``e#11`` is due 3.6 s
+    after the set-up, far from the last second in which the takeover leaves the late send
+    to it, however loaded the machine.)"""
+    from celery import Celery
+    from celery import signals as celery_signals
+    from celery.beat import Service
+
+    import celery_redlock
+    from celery_redlock import Redlock
+    from celery_redlock.beat import anchor_key, occurrence_key
+
+    app = Celery(app_name, broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=3,
+        redlock_beat_catch_up=mode,
+        beat_schedule={"e": {"task": "x.y", "schedule": 4.0}},
+    )
+    celery_redlock.install(app)
+    published: list[Any] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append(
+                (
+                    headers["redlock_occurrence"],
+                    headers.get("redlock_catch_up"),
+                    headers.get("redlock_catch_up_of"),
+                )
+            )
+
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        anchor = now() - 40.4  # e#10 fell due 0.4 s ago, e#11 is 3.6 s away
+        with contextlib.closing(Redlock(masters.urls)) as rl:
+            rl.claim(anchor_key(app_name, "e"), "anchor:4", f"{anchor:.6f}", 3600)
+            for index in range(8):
+                key = occurrence_key(app_name, f"e#{index}")
+                rl.claim(key, "sent", "dead-leader", 3600)
+                if index < 7:
+                    rl.claim(key, "run", f"task-{index}", 3600)
+        service.scheduler.tick()  # the first tick of the term runs the catch-up
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        service._redlock_leader.stop()
+        service.scheduler.close()
+    return published
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["one", "all", "none"])
+def test_an_occurrence_claimed_by_a_leader_killed_before_sending_it_is_caught_up(
+    masters: Masters, tmp_path: Any, mode: str
+) -> None:
+    """Found by chaos scenario 15 (``first skipped e1#11``): the new leader's walk stopped
+    at the dead leader's last claim, so the late send stood for ``e#8..e#10`` and ``e#7``
+    (claimed, never published) was lost. It is one of the missed occurrences: ``"one"``
+    lists it in the late send, ``"all"`` sends it, ``"none"`` skips it (logged)."""
+    published = _takeover_sends(masters, tmp_path, mode, f"killed-{mode}")
+    expected = {
+        "one": [("e#10", 4, ["e#9", "e#8", "e#7"])],
+        "all": [(f"e#{i}", None, None) for i in range(7, 11)],
+        "none": [],
+    }[mode]
+    assert published == expected
+
+
+def _deliver(app: Any, headers: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """Hand a message with ``headers`` to the worker's consumer step (as the consumer
+    does); return whether it reached the pool, and the headers the request is built from."""
+    from celery_redlock.beat import _wrap_strategy
+
+    reached: list[dict[str, Any]] = []
+    acked: list[Any] = []
+
+    class Message:
+        def __init__(self) -> None:
+            self.headers = dict(headers)
+
+    def strategy(message: Any, *_: Any, **__: Any) -> None:
+        reached.append(dict(message.headers))
+
+    handler = _wrap_strategy(app, "x.y", strategy)
+    message = Message()
+    handler(message, None, lambda *a: acked.append(a), None, None)
+    assert bool(reached) != bool(acked)
+    return bool(reached), message.headers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["late-send", "original"])
+def test_a_late_send_listing_a_published_occurrence_never_runs_it_twice(
+    masters: Masters, first: str
+) -> None:
+    """The other side of the test above: the killed leader did publish ``e#7`` (message
+    ``X``), and the late send ``T`` of ``e#10`` lists it too. Whichever the worker gets
+    first runs ``e#7``; the other does not stand for it: ``X`` is dropped, or ``T`` runs
+    standing for ``e#8..e#10`` only (its headers say so)."""
+    from celery import Celery
+
+    import celery_redlock
+
+    app = Celery(f"twice-{first}", broker="memory://", set_as_current=False)
+    app.conf.update(redlock_redis_urls=masters.urls, redlock_beat_lease_ttl=3)
+    celery_redlock.install(app)
+    original = {"id": "task-x", "redlock_occurrence": "e#7", "redlock_claim_ttl": 3600}
+    late = {
+        "id": "task-t",
+        "redlock_occurrence": "e#10",
+        "redlock_catch_up": 4,
+        "redlock_catch_up_of": ["e#9", "e#8", "e#7"],
+        "redlock_claim_ttl": 3600,
+    }
+    if first == "original":
+        assert _deliver(app, original)[0]
+        ran, headers = _deliver(app, late)
+        assert ran
+        assert headers["redlock_occurrence"] == "e#10"
+        assert headers["redlock_catch_up"] == 3
+        assert headers["redlock_catch_up_of"] == ["e#9", "e#8"]
+    else:
+        ran, headers = _deliver(app, late)
+        assert ran
+        assert headers["redlock_catch_up"] == 4
+        assert not _deliver(app, original)[0], "e#7 ran twice"
+    # A redelivery of either (same task id) is the same job: it goes on as before.
+    assert _deliver(app, late)[0]
+    assert _deliver(app, original)[0] == (first == "original")
+
+
+@pytest.mark.timeout(60)
+def test_a_late_send_whose_own_occurrence_ran_stands_for_the_rest(masters: Masters) -> None:
+    """A late send ``T`` of ``e#3`` listing ``e#2``: ``e#3`` ran under the killed leader's
+    own message. ``T`` still runs, standing for ``e#2`` alone (nobody else sends it)."""
+    from celery import Celery
+
+    import celery_redlock
+
+    app = Celery("rest", broker="memory://", set_as_current=False)
+    app.conf.update(redlock_redis_urls=masters.urls, redlock_beat_lease_ttl=3)
+    celery_redlock.install(app)
+    assert _deliver(app, {"id": "task-x", "redlock_occurrence": "e#3"})[0]
+    ran, headers = _deliver(
+        app,
+        {
+            "id": "task-t",
+            "redlock_occurrence": "e#3",
+            "redlock_catch_up": 2,
+            "redlock_catch_up_of": ["e#2"],
+        },
+    )
+    assert ran
+    assert headers["redlock_occurrence"] == "e#2"
+    assert "redlock_catch_up" not in headers
+    assert "redlock_catch_up_of" not in headers

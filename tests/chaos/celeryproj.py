@@ -12,6 +12,8 @@ Environment (set by :mod:`tests.chaos.test_celery_chaos`):
 ``CHAOS_LOCK_TTL``  ``redlock_ttl``; ``CHAOS_BEAT_TTL``: ``redlock_beat_lease_ttl``
 ``CHAOS_BEAT_LEADER`` ``"0"`` turns beat leadership off (negative control)
 ``CHAOS_SCHEDULE``  JSON: entry name -> interval seconds, each calling ``chaos.tick``
+``CHAOS_PUBLISH_DELAY`` seconds a beat waits between claiming an occurrence and publishing
+                    it (widens the window in which a kill leaves a claim and no message)
 
 The app's Redlock is the instrumented one (:mod:`tests.chaos.instrument`), so every round
 to the masters, renewal and loss inside the worker is in the history too.
@@ -44,11 +46,20 @@ SENT_AT = "chaos_sent_at"
 WORK_TASKS = ("chaos.work", "chaos.plain_work")
 #: Seconds kombu's restore mutex outlives a worker killed while holding it.
 UNACKED_MUTEX_EXPIRE = float(os.environ.get("CHAOS_MUTEX_EXPIRE", "5"))
+PUBLISH_DELAY = float(os.environ.get("CHAOS_PUBLISH_DELAY", "0"))
 
 
 class _RecordedRedlock(InstrumentedRedlock):
     def __init__(self, masters: Any, **kwargs: Any) -> None:
         super().__init__(masters, history=H, **kwargs)
+
+    def claim(self, key: str, suffix: str, value: str, ttl: float, **kwargs: Any) -> Any:
+        # Beat occurrence claims (sent by a beat, run by a worker) in the history, so a
+        # report can tell "claimed, never published" from "published, never run".
+        holder, fresh = super().claim(key, suffix, value, ttl, **kwargs)
+        if key.startswith("beat:") and suffix in ("sent", "run"):
+            H.write("claim", key=key, suffix=suffix, value=value, holder=holder, fresh=fresh)
+        return holder, fresh
 
 
 # The app's client is built by celery_redlock.client.redlock_for: make it the recorded one.
@@ -134,6 +145,17 @@ def _stamp(
         return
     headers.setdefault(SENT_AT, time.time())  # noqa: TID251 - compared across processes
     headers.setdefault("chaos_sender", NAME)
+    if headers.get("redlock_occurrence"):
+        if PUBLISH_DELAY:
+            # The occurrence is claimed; a SIGKILL now leaves the claim and no message.
+            H.write("beat_publish_wait", occurrence=headers["redlock_occurrence"])
+            time.sleep(PUBLISH_DELAY)
+        H.write(
+            "beat_publish",
+            occurrence=headers["redlock_occurrence"],
+            task_id=headers.get("id"),
+            covers=headers.get("redlock_catch_up_of"),
+        )
     if sender in WORK_TASKS:
         # Every message of a work item gets its own id (a republish copies the request's
         # headers: overwritten here), so the checker can tell a message the broker lost
@@ -242,4 +264,6 @@ def tick(self: Any, entry: str, every: float) -> None:
         sender=request.get("chaos_sender"),
         # a coalesced late send stands for this many occurrences (redlock_beat_catch_up)
         catch_up=request.get("redlock_catch_up"),
+        # ... and which others (as the worker left the header after the run claims)
+        covers=request.get("redlock_catch_up_of"),
     )

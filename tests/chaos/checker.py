@@ -31,7 +31,8 @@ Properties (each gets a verdict):
                        behind a killed worker's restore mutex (not excused)
 ``recovered``          no critical section completed after the last fault healed, or a
                        client that did not stop when asked (hung)
-``beat_once``          a beat occurrence that ran twice, or was skipped
+``beat_once``          a beat occurrence run (or stood for by a coalesced late send)
+                       twice, or never
 
 For every property that failed the report carries a timeline of its first violation:
 the events of the processes involved (and the faults) around it, in ms from its start.
@@ -657,35 +658,53 @@ def _recovered(events: Sequence[Event]) -> Verdict:
 _INDEX = re.compile(r"^(.*)#(-?\d+)$")
 
 
+def _stands_for(e: Event) -> list[str]:
+    """The occurrences one beat run accounts for: its own, and for a coalesced late send
+    (header ``redlock_catch_up_of``, as the worker left it after the run claims) the
+    others it lists. A run that carries only a count (``redlock_catch_up`` = n, no list)
+    stands for its own occurrence and the n - 1 before it."""
+    own = str(e["occurrence"])
+    covers = e.get("covers")
+    if covers:
+        return [own, *(str(o) for o in covers)]
+    n = int(e.get("catch_up") or 1)
+    m = _INDEX.match(own)
+    if n > 1 and m:
+        index = int(m.group(2))
+        return [f"{m.group(1)}#{i}" for i in range(index, index - n, -1)]
+    return [own]
+
+
 def _beat(events: Sequence[Event], window: tuple[int, int] | None) -> Verdict:
+    """``beat_once``, the documented rule: every occurrence of an entry, from the first
+    seen to the last, is accounted for by exactly one run, either its own or a coalesced
+    late send that stands for it (``redlock_beat_catch_up = "one"``). Accounted for by
+    two runs: duplicated; by none: skipped."""
     runs = [e for e in events if e["ev"] == "beat_run"]
     if not runs:
         return Verdict("beat_once", NONE, 0, applicable=False)
-    count: dict[str, list[Event]] = defaultdict(list)
+    by: dict[str, list[Event]] = defaultdict(list)
     for e in runs:
-        count[e["occurrence"]].append(e)
-    dups = {o: rs for o, rs in count.items() if len(rs) > 1}
+        for occurrence in _stands_for(e):
+            by[occurrence].append(e)
+    dups = {o: rs for o, rs in by.items() if len(rs) > 1}
     indices: dict[str, set[int]] = defaultdict(set)
-    covered: dict[str, set[int]] = defaultdict(set)
-    for occurrence, rs in count.items():
+    for occurrence in by:
         m = _INDEX.match(occurrence)
         if m:
-            index = int(m.group(2))
-            indices[m.group(1)].add(index)
-            # A coalesced late send (header redlock_catch_up = n) stands for its own
-            # occurrence and the n - 1 before it: those were not skipped.
-            stands_for = max(int(e.get("catch_up") or 1) for e in rs)
-            covered[m.group(1)].update(range(index - stands_for + 1, index + 1))
+            indices[m.group(1)].add(int(m.group(2)))
     gaps = []
-    for entry, seen in indices.items():
-        gaps += [f"{entry}#{i}" for i in range(min(seen), max(seen) + 1) if i not in covered[entry]]
+    for entry, seen in sorted(indices.items()):
+        gaps += [f"{entry}#{i}" for i in range(min(seen), max(seen) + 1) if i not in seen]
     v = Verdict("beat_once", NONE, sum(len(r) - 1 for r in dups.values()) + len(gaps))
+    coalesced = sum(1 for e in runs if len(_stands_for(e)) > 1)
     v.detail = (
-        f"{len(count)} occurrences, {len(runs)} runs; {len(dups)} duplicated, {len(gaps)} skipped"
+        f"{len(by)} occurrences, {len(runs)} runs ({coalesced} coalesced); "
+        f"{len(dups)} duplicated, {len(gaps)} skipped"
     )
     if dups:
-        first = min(dups.values(), key=lambda rs: rs[0]["t"])
-        v.detail += f"; first duplicate {first[0]['occurrence']} by {[e['proc'] for e in first]}"
+        first_o, first = min(dups.items(), key=lambda item: item[1][1]["t"])
+        v.detail += f"; first duplicate {first_o} by {[e['proc'] for e in first]}"
         v.timeline = timeline(
             events, {e["proc"] for e in first}, (first[0]["t"] - 5e9, first[-1]["t"] + 1e6)
         )

@@ -390,6 +390,40 @@ def test_beat_occurrences() -> None:
     assert "1 duplicated, 3 skipped" in verdict(h, "beat_once").detail
 
 
+def test_beat_coalesced_sends_account_for_each_occurrence_once() -> None:
+    """The documented rule: each occurrence is run, or stood for by one coalesced late
+    send (the ``redlock_catch_up_of`` list the worker left), exactly once."""
+    h = H()
+    h.at(0, "w", "beat_run", entry="e", occurrence="e#0")
+    # e#1 was claimed by a beat that died before publishing it: the late send lists it.
+    h.at(1000, "w", "beat_run", entry="e", occurrence="e#3", catch_up=3, covers=["e#2", "e#1"])
+    assert verdict(h, "beat_once").violations == 0
+    # A count alone (no list) stands for the n - 1 before it.
+    h.at(2000, "w", "beat_run", entry="e", occurrence="e#5", catch_up=2)
+    assert verdict(h, "beat_once").violations == 0
+    # A list need not be contiguous (e#6 ran under its own message first).
+    h.at(3000, "w", "beat_run", entry="e", occurrence="e#6")
+    h.at(4000, "w", "beat_run", entry="e", occurrence="e#8", catch_up=2, covers=["e#7"])
+    assert verdict(h, "beat_once").violations == 0
+    # Stood for by a late send *and* run on its own: twice.
+    h.at(5000, "w", "beat_run", entry="e", occurrence="e#7")
+    v = verdict(h, "beat_once")
+    assert v.violations == 1
+    assert "1 duplicated, 0 skipped" in v.detail
+    assert "first duplicate e#7" in v.detail
+
+
+def test_beat_a_late_send_that_does_not_list_a_claimed_occurrence_skips_it() -> None:
+    """The s15 failure: e#11 was claimed by the killed leader, the late send of e#13 stood
+    for e#12 and e#13 only."""
+    h = H()
+    h.at(0, "w", "beat_run", entry="e1", occurrence="e1#10")
+    h.at(3000, "w", "beat_run", entry="e1", occurrence="e1#13", catch_up=2, covers=["e1#12"])
+    v = verdict(h, "beat_once")
+    assert v.violations == 1
+    assert "first skipped e1#11" in v.detail
+
+
 # -- expectations --------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The in-process backend answers as the Redis backend does (issue 15 item 7).
 
 A Hypothesis state machine runs the same operations the Celery layer uses (acquire,
-release, extend, owned, locked, claim, unclaim, release_owned_by, fence) on a
+release, extend, owned, locked, claim, claimed, unclaim, release_owned_by, fence) on a
 :class:`MemoryRedlock` and on a :class:`Redlock` over three real masters, and asserts the
 same answer from both after every step. TTLs are long here (nothing expires during a run);
 expiry on the monotonic clock is checked with an injected clock in
@@ -106,6 +106,10 @@ class SameAnswers(RuleBasedStateMachine):
         assert self.real.claim(key, "dedupe", value, TTL, guard_for=0) == self.memory.claim(
             key, "dedupe", value, TTL, guard_for=0
         )
+
+    @rule(key=KEYS)
+    def claimed(self, key: str) -> None:
+        assert self.real.claimed(key, "dedupe") == self.memory.claimed(key, "dedupe")
 
     @rule(key=KEYS, value=VALUES)
     def unclaim(self, key: str, value: str) -> None:

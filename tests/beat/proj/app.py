@@ -20,9 +20,10 @@ Environment (set by :mod:`proj.cluster`):
 
 A record (one line, written with a single ``os.write`` on an ``O_APPEND`` descriptor, so
 lines from concurrent processes never interleave) is ``{"kind", "occurrence", "task_id",
-"t", "sender", "sent_at", "pid", "catch_up"}``: ``occurrence`` is the ``redlock_occurrence``
-header, ``catch_up`` the ``redlock_catch_up`` header (how many occurrences a coalesced late
-send stands for; None for one),
+"t", "sender", "sent_at", "pid", "catch_up", "covers"}``: ``occurrence`` is the
+``redlock_occurrence`` header, ``catch_up`` the ``redlock_catch_up`` header (how many
+occurrences a coalesced late send stands for; None for one), ``covers`` the
+``redlock_catch_up_of`` header (which others, as the worker left it),
 ``sender``/``sent_at`` are stamped into the message by the publishing process (so the
 tests know which beat sent it, and when, by the wall clock all processes share). Beat
 leadership changes are recorded too, as ``{"kind": "beat_status", "status", "previous",
@@ -140,6 +141,7 @@ def _run_record(task: Any, kind: str, **fields: Any) -> None:
         sent_at=request.get(SENT_AT_HEADER),
         retries=request.retries,
         catch_up=request.get("redlock_catch_up"),
+        covers=request.get("redlock_catch_up_of"),
         **fields,
     )
 

@@ -330,21 +330,27 @@ def occurrence_problems(
 ) -> list[str]:
     """Why ``runs`` are not "every occurrence exactly once" (empty when they are).
 
-    Every run must carry an occurrence id and a task id seen once; for an interval entry
-    the occurrence indexes (``name#<index>``) must be contiguous: a gap is a missed
-    occurrence, a repeat a double fire.
+    Every run must carry an occurrence id and a task id seen once. Each occurrence is
+    accounted for by one run: its own, or a coalesced late send that stands for it (the
+    ``covers`` list the worker left; without one, ``catch_up`` = n stands for the n - 1
+    before it). For an interval entry the indexes (``name#<index>``) accounted for must be
+    contiguous: a gap is a missed occurrence, one accounted for twice a double fire.
     """
     problems = []
     seen: dict[str, int] = {}
-    covers: dict[str, int] = {}
     task_ids: dict[str, int] = {}
     for run in runs:
         occurrence = run.get("occurrence")
         if not occurrence:
             problems.append(f"run without an occurrence header: {run}")
             continue
-        seen[occurrence] = seen.get(occurrence, 0) + 1
-        covers[occurrence] = max(covers.get(occurrence, 1), int(run.get("catch_up") or 1))
+        stands_for = [occurrence, *(run.get("covers") or [])]
+        n = int(run.get("catch_up") or 1)
+        if not run.get("covers") and n > 1 and "#" in occurrence:
+            name, _, index = occurrence.rpartition("#")
+            stands_for = [f"{name}#{int(index) - back}" for back in range(n)]
+        for o in stands_for:
+            seen[o] = seen.get(o, 0) + 1
         task_ids[run["task_id"]] = task_ids.get(run["task_id"], 0) + 1
     problems += [f"occurrence {o} ran {n} times" for o, n in seen.items() if n > 1]
     problems += [f"task id {t} ran {n} times" for t, n in task_ids.items() if n > 1]
@@ -353,14 +359,7 @@ def occurrence_problems(
         if not indexes:
             problems.append(f"{name}: no occurrence ran")
             continue
-        covered = {
-            i - back
-            for o in seen
-            if o.startswith(f"{name}#")
-            for i in [int(o.rpartition("#")[2])]
-            for back in range(covers[o])
-        }
-        missing = sorted(set(range(indexes[0], indexes[-1] + 1)) - covered)
+        missing = sorted(set(range(indexes[0], indexes[-1] + 1)) - set(indexes))
         if missing:
             problems.append(f"{name}: occurrences {missing} missing (ran {indexes})")
     return problems
