@@ -598,23 +598,25 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if opts.dedupe == "active":
             lease.clear_on_release = (self.dedupe_suffix(), task_id)
         request.redlock_lease = lease
-        request.redlock_key = key
-        interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
-        request.redlock_interrupter = interrupter
-        lease.on_lost(
-            lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
-        )
-        if signals.lock_acquired.receivers:  # its arguments cost: only for a receiver
-            since = _rescheduled_since(request)
-            signals.lock_acquired.send(
-                sender=self,
-                key=key,
-                lease=lease,
-                task_id=task_id,
-                waited=time.monotonic() - started,
-                rescheduled_for=0.0 if since is None else max(0.0, time.time() - since),  # noqa: TID251 - across hosts
-            )
+        # From here every exit releases: an exception before the body (a soft time limit
+        # landing here) would otherwise leave a lease that the heartbeat renews for ever.
         try:
+            request.redlock_key = key
+            interrupter = _Interrupter() if opts.on_lock_lost == "interrupt" else None
+            request.redlock_interrupter = interrupter
+            lease.on_lost(
+                lambda lost: self._on_lost(lost, key, task_id, opts, interrupter), reports_loss=True
+            )
+            if signals.lock_acquired.receivers:  # its arguments cost: only for a receiver
+                since = _rescheduled_since(request)
+                signals.lock_acquired.send(
+                    sender=self,
+                    key=key,
+                    lease=lease,
+                    task_id=task_id,
+                    waited=time.monotonic() - started,
+                    rescheduled_for=0.0 if since is None else max(0.0, time.time() - since),  # noqa: TID251 - across hosts
+                )
             return self.run(*args, **kwargs)
         except LockLostInterrupt as exc:
             if exc.key is not None:

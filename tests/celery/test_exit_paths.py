@@ -325,3 +325,42 @@ def test_a_retry_starts_a_new_wait_for_the_lock(
         (0, "retry"),  # a new wait: was (2, "give_up")
     ]
     assert len(recorder.spans) == 2
+
+
+def test_an_exception_between_acquire_and_body_releases_the_lock(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception after the lock is taken but before the body starts (a soft time limit
+    can land anywhere) releases the lock. Before, the lease was left to the heartbeat,
+    which renewed it for as long as the worker lived: the key stayed locked."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from celery_redlock.lock.lease import Lease
+
+    app = make_app()
+    original = Lease.on_lost
+    landed: list[bool] = []
+
+    def soft_limit_lands_here(self: Lease, *args: Any, **kwargs: Any) -> None:
+        if not landed:
+            landed.append(True)
+            raise SoftTimeLimitExceeded()
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Lease, "on_lost", soft_limit_lands_here)
+
+    @app.task(bind=True, base=SingletonTask, lock_key="early:{n}", lock_ttl=1.5)
+    def early(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            return n
+
+    lock, _ = env.lock_names("early:1")
+    with run_worker(app):
+        first = early.delay(1)
+        with pytest.raises(SoftTimeLimitExceeded):
+            first.get(timeout=10)
+        # Three lock_ttl: a lease left to the heartbeat is renewed past this.
+        wait_for(lambda: not any(env.on_masters(lock)), timeout=4.5, message="lock released")
+        assert early.delay(1).get(timeout=10) == 1
+    assert landed == [True]
+    assert len(recorder.spans) == 1
