@@ -153,7 +153,7 @@ def run_round(
     def broken(i: int, why: str) -> None:
         link = links[i]
         link.close()
-        link.master.hold_off(clock(), reconnect_backoff)
+        link.master.connect_after = clock() + reconnect_backoff
         link.master.mark_down(why)
         errors[i] = link.master.last_error
 
@@ -176,7 +176,7 @@ def run_round(
             slots[i] = link.send(payload[0], payload[1])
         except (OSError, ConnectionError) as exc:
             link.close()
-            master.hold_off(clock(), reconnect_backoff)
+            master.connect_after = clock() + reconnect_backoff
             master.mark_down(f"send failed: {exc}")
             errors[i] = master.last_error
     for i, slot in (awaiting or {}).items():
@@ -316,7 +316,7 @@ def _connect_all(
     def failed(i: int, why: object) -> None:
         link = links[i]
         link.close()
-        link.master.hold_off(clock(), reconnect_backoff)
+        link.master.connect_after = clock() + reconnect_backoff
         link.master.mark_down(f"connect failed: {why}")
         errors[i] = link.master.last_error
 

@@ -91,10 +91,6 @@ _longest_granted = 0.0
 
 #: At most one summary line per master per this many seconds (see Master.note_unreached).
 LOG_PERIOD = summary.LOG_PERIOD
-#: A master that keeps failing is tried again after the client's reconnect backoff,
-#: doubled with every failure in a row, up to this many times that backoff (see
-#: Master.hold_off).
-MAX_BACKOFF_FACTOR = 16
 
 
 def note_granted_ttl(ttl: float) -> None:
@@ -263,8 +259,6 @@ class Master:
         remember_secrets_of(self._connection_kwargs)
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
-        #: failures in a row since the master last answered (see hold_off)
-        self.failures = 0
         #: set while the master failed to answer a round in time; rounds do not wait on it
         self.down = False
         self.last_error = ""
@@ -411,31 +405,6 @@ class Master:
                 run_id[:8],
             )
 
-    def hold_off(self, now: float, base: float) -> None:
-        """Try no new connection before ``now`` plus a backoff: ``base`` seconds after the
-        first failure since the master last answered, doubled with each failure in a row
-        after it, up to :data:`MAX_BACKOFF_FACTOR` times ``base``.
-
-        Rounds connect where a link has no connection, before they send: a master that
-        stays down would otherwise cost a connect attempt on every operation that comes
-        more than ``base`` after the last one (a worker running a job every few seconds),
-        and a host that drops packets a whole ``node_timeout`` each time.
-        :meth:`mark_up` starts over; :meth:`retry_soon` shortens the wait in an outage.
-        """
-        self.connect_after = now + base * min(2**self.failures, MAX_BACKOFF_FACTOR)
-        if self.failures < 8:
-            self.failures += 1
-
-    def retry_soon(self, now: float, base: float) -> None:
-        """Wait at most ``base`` more seconds before the next connect attempt.
-
-        For an outage (too few masters answered for a quorum): the lock then needs this
-        master back, and a grown backoff would keep it out after it returned.
-        """
-        if self.connect_after > now + base:
-            self.connect_after = now + base
-            self.failures = 1
-
     def mark_down(self, error: str) -> None:
         """Note that the master failed; logs a WARNING on the transition only.
 
@@ -460,7 +429,6 @@ class Master:
         """Note that the master answered; logs an INFO line if its failure was logged."""
         if self.down:
             self.down = False
-            self.failures = 0
             self._unreached.reset()
             if self._said_down:
                 self._said_down = False

@@ -768,13 +768,6 @@ class Redlock:
             wait=wait,
             valid=valid or _script_replies,
         )
-        if len(result.errors) > len(self.masters) - self.quorum:
-            # An outage: no quorum without the masters that failed. Those waiting out a
-            # grown reconnect backoff are tried again within the base one, as before
-            # they had been down for long (see Master.hold_off).
-            now = self._clock()
-            for master in self.masters:
-                master.retry_soon(now, self.reconnect_backoff)
         if result.waited and spin_wait:
             # Polling pays while rounds usually wait no longer than spin_wait. A long
             # wait counts as 4 * spin_wait, so one timeout does not stop polling for
