@@ -490,7 +490,12 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             _not_sent(entry.name, None, f"cannot claim it: {exc}")
             return None
         if not leader.is_leading():
-            redlock.unclaim(occurrence_key(namespace, occurrence), CLAIM_SUFFIX, leader.identity)
+            try:
+                redlock.unclaim(
+                    occurrence_key(namespace, occurrence), CLAIM_SUFFIX, leader.identity
+                )
+            except RedlockError as exc:  # the next leader finds it claimed, no run: re-sends
+                logger.warning("beat: claim on %s not withdrawn: %s", occurrence, exc)
             _pass(entry)
             _not_sent(entry.name, occurrence, "lost the leader lease while claiming it")
             return None

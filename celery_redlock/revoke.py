@@ -163,5 +163,7 @@ def _unmark(requests: Iterable[Any]) -> None:
                 "%s[%s]: no dedupe key after revoke", task.name, request.id, exc_info=True
             )
             continue
-        task._drop_dedupe_marker(key, opts, request.id, "revoke")
-        logger.debug("%s[%s]: dedupe marker of %s dropped on revoke", task.name, request.id, key)
+        if task._drop_dedupe_marker(key, opts, request.id, "revoke"):
+            logger.debug(
+                "%s[%s]: dedupe marker of %s dropped on revoke", task.name, request.id, key
+            )

@@ -40,7 +40,7 @@ from celery.utils import uuid
 
 from . import signals
 from .client import redlock_for
-from .exceptions import AlreadyQueued, LockContended, LockLost, QuorumUnavailable
+from .exceptions import AlreadyQueued, LockContended, LockLost, QuorumUnavailable, RedlockError
 from .identity import (
     DEDUPE_SUFFIX,
     OPTIONS_HEADER,
@@ -980,26 +980,31 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def _drop_dedupe_marker(
         self, key: str, opts: TaskOptions | None, task_id: str | None, why: str = ""
-    ) -> None:
+    ) -> bool:
         """Best effort: remove the dedupe marker of ``key`` if it names ``task_id``.
 
         ``opts=None`` when the job's options are not known (the main process after a
         kill: a per-call ``dedupe`` travels in a header it may not have): the marker is
-        removed whatever ``dedupe`` says. A failure is logged, never raised.
+        removed whatever ``dedupe`` says. A failure (too few masters answered, so the
+        marker may stand) is logged, never raised; returns False then.
         """
         if (opts is not None and opts.dedupe is None) or not task_id:
-            return
+            return True
         try:
             redlock_for(self.app).unclaim(key, self.dedupe_suffix(), task_id)
-        except Exception:
+        except Exception as exc:
             logger.warning(
-                "%s[%s]: could not clear dedupe marker of %s%s",
+                "%s[%s]: could not clear dedupe marker of %s%s; identical publishes may"
+                " return this job until the marker expires (redlock_dedupe_ttl): %s",
                 self.name,
                 task_id,
                 key,
                 f" after {why}" if why else "",
-                exc_info=True,
+                exc,
+                exc_info=not isinstance(exc, RedlockError),
             )
+            return False
+        return True
 
     def _store_skipped(self, request: Any, key: str, opts: TaskOptions) -> None:
         """Store what ``skip_result`` says: FAILURE with :class:`LockContended` (a ready

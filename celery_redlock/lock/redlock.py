@@ -609,11 +609,25 @@ class Redlock:
         return self._read_vote(key, lambda value: value is not None, command)
 
     def unclaim(self, key: str, suffix: str, value: str) -> bool:
-        """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum."""
+        """Delete ``<prefix>:{key}:<suffix>`` where it holds ``value``; True if on a quorum.
+
+        False when it held another value (or none) on a quorum. Raises
+        :class:`QuorumUnavailable` when too few masters answered to tell: the claim may
+        still stand, and the caller must not take it for gone.
+        """
         name = self._claim_name(key, suffix)
         payload = (scripts.UNCLAIM.call(1, name, value), 1)
         with self._lane() as lane:
             result = self._round(lane, [payload] * len(self.masters))
+        answered = sum(1 for x in result.replies if x is not None)
+        if answered < self.quorum:
+            raise QuorumUnavailable(
+                f"only {answered} of {len(self.masters)} masters answered the removal of"
+                f" the {suffix} claim on {key!r}, {self.quorum} needed",
+                key,
+                self.master_names,
+                self._errors(result),
+            )
         return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
 
     # -- keys ------------------------------------------------------------------

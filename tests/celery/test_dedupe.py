@@ -353,3 +353,31 @@ def test_a_contended_acquire_on_a_minority_keeps_the_queued_marker(
     finally:
         holder.release()
         others.close()
+
+
+def test_a_marker_that_cannot_be_removed_is_logged(
+    env: CeleryEnv, make_app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dropping a job's marker (revoke, skip, give-up, a killed run) with too few masters
+    answering logs a WARNING naming the key: the marker may still stand, and identical
+    publishes return the job until its TTL. Before, the removal's "no quorum" was taken
+    for "not this job's marker", and nothing was said."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="gone:{n}", dedupe="queued")
+    def gone(self: Any, n: int) -> int:
+        return n
+
+    redlock = Redlock(env.masters.urls)
+    try:
+        assert redlock.claim("gone:1", gone.dedupe_suffix(), "job-1", 60)[0] == "job-1"
+    finally:
+        redlock.close()
+    env.masters[0].kill()
+    env.masters[1].kill()
+    with caplog.at_level(logging.WARNING, logger="celery_redlock"):
+        gone._drop_dedupe_marker("gone:1", None, "job-1", "revoke")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("gone:1" in r.getMessage() and "revoke" in r.getMessage() for r in warned), [
+        r.getMessage() for r in caplog.records
+    ]

@@ -511,3 +511,18 @@ def test_held_elsewhere_reads_whether_an_acquire_would_fail(masters: Masters) ->
     masters[2].kill()
     with pytest.raises(QuorumUnavailable, match="only 1 of 3 masters answered the read"):
         rl.held_elsewhere("read")
+
+
+def test_unclaim_without_a_quorum_raises_unavailable(masters: Masters) -> None:
+    """Too few masters answering cannot tell whether the claim is gone: QuorumUnavailable,
+    not the False that means "the claim named someone else"."""
+    rl = make_redlock(masters)
+    try:
+        assert rl.claim("k", "marker", "me", 60) == ("me", True)
+        assert rl.unclaim("k", "marker", "someone else") is False
+        masters[0].kill()
+        masters[1].kill()
+        with pytest.raises(QuorumUnavailable, match="1 of 3 masters answered"):
+            rl.unclaim("k", "marker", "me")
+    finally:
+        rl.close()
