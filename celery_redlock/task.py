@@ -930,8 +930,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         publish would become a second job. Claiming it again restores it where it went
         (a master that still has it, naming this job, counts as the claim's).
         """
-        if opts.dedupe != "queued" or not request.id:
-            return
+        if opts.dedupe != "queued" or not request.id or self._in_canvas(request):
+            return  # a canvas member never had a marker: identical publishes stay apart
         try:
             ttl = get_settings(self.app).dedupe_ttl + countdown
             holder, _ = redlock_for(self.app).claim(

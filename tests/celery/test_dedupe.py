@@ -381,3 +381,45 @@ def test_a_marker_that_cannot_be_removed_is_logged(
     assert any("gone:1" in r.getMessage() and "revoke" in r.getMessage() for r in warned), [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_a_contended_canvas_member_claims_no_marker(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    """A chain member rescheduled for contention waits without a dedupe marker, as canvas
+    members always publish without one: an identical plain publish is its own job, not
+    the member (whose result the chain waits for)."""
+    app = make_app()
+
+    @app.task(
+        bind=True,
+        base=SingletonTask,
+        lock_key="member:{n}",
+        dedupe="queued",
+        contention_backoff=(1, 1),
+    )
+    def member(self: Any, n: int) -> int:
+        return n
+
+    others = Redlock(env.masters.urls)
+    holder = others.acquire("member:1", ttl=60)
+    marker = redis_key("redlock", "member:1", member.dedupe_suffix())
+    try:
+        with run_worker(app):
+            canvas = chain(member.si(1), member.si(2)).apply_async()
+            wait_for(
+                lambda: signal_log.of("lock_contended", action="retry"),
+                timeout=15,
+                message="the chain's first member met the lock",
+            )
+            wait_for(
+                lambda: len(signal_log.of("lock_contended", action="retry")) >= 2,
+                timeout=15,
+                message="a second reschedule (after the first one's claim, if any)",
+            )
+            assert not any(env.on_masters(marker))
+            holder.release()
+            assert canvas.get(timeout=30) == 2
+    finally:
+        holder.release()
+        others.close()
