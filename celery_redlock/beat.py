@@ -499,7 +499,9 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             _pass(entry)
             _not_sent(entry.name, occurrence, "lost the leader lease while claiming it")
             return None
-        if holder != leader.identity or not fresh:
+        if (holder != leader.identity or not fresh) and not _unsent_by_other(
+            entry.name, occurrence, holder
+        ):
             logger.info("beat: occurrence %s already sent by %s", occurrence, holder)
             if aligned is not None:
                 # Realign anyway: a new leader whose local schedule runs just before the
@@ -591,6 +593,30 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
         floor = max(0, newest - reach + 1, oldest if oldest is not None else 0)
         return [f"{entry.name}#{i}" for i in range(newest, floor - 1, -1)]
 
+    def _unsent_by_other(name: str, occurrence: str, holder: str) -> bool:
+        """Whether ``occurrence``, claimed by another beat, is to be sent by this one.
+
+        That beat may have died between its claim and its send (a crontab minute whose
+        leader was killed just after it fell due): with no run claim, no worker took it,
+        and it is sent again. A worker runs it once either way (its run claim, see
+        :func:`claim_occurrences`).
+        """
+        if holder == leader.identity:
+            return False
+        try:
+            taken = redlock.claimed(occurrence_key(namespace, occurrence), RUN_SUFFIX)
+        except RedlockError as exc:
+            _not_sent(name, occurrence, f"claimed by {holder}; cannot read whether it ran: {exc}")
+            return False
+        if not taken:
+            logger.warning(
+                "beat: %s was claimed by %s but no worker took it (its sender may have died "
+                "before publishing it): sending it again (a worker runs it once)",
+                occurrence,
+                holder,
+            )
+        return not taken
+
     def _walk(name: str, candidates: list[str]) -> list[str]:
         """Claim ``candidates`` (newest first) down to the first one that ran.
 
@@ -615,9 +641,7 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
                     _claim_ttl_of(name),
                     guard_for=_guard_window(leader.lease_ttl),
                 )
-                taken = holder != leader.identity and (
-                    mode == "none" or redlock.claimed(key, RUN_SUFFIX)
-                )
+                taken = holder != leader.identity and redlock.claimed(key, RUN_SUFFIX)
             except RedlockError as exc:
                 _not_sent(name, occurrence, f"cannot claim it (missed): {exc}")
                 break
@@ -628,9 +652,10 @@ def guard_scheduler(scheduler: Any, leader: BeatLeader) -> None:
             if holder != leader.identity:
                 logger.info(
                     "beat: %s was claimed by %s but no worker took it (its sender may have "
-                    "died before publishing it): sending it again (a worker runs it once)",
+                    "died before publishing it): %s",
                     occurrence,
                     holder,
+                    "missed" if mode == "none" else "sending it again (a worker runs it once)",
                 )
             mine.append(occurrence)
         return mine

@@ -732,6 +732,85 @@ def test_an_occurrence_claimed_by_a_leader_killed_before_sending_it_is_caught_up
     assert published == expected
 
 
+@pytest.mark.timeout(60)
+def test_catch_up_none_names_the_occurrence_a_killed_leader_claimed_and_never_sent(
+    masters: Masters, tmp_path: Any
+) -> None:
+    """With ``"none"`` the dead leader's claimed, never published ``e#7`` is not sent, but
+    it is one of the missed occurrences the warning and ``beat_not_sent`` name. Before,
+    the walk stopped at it in ``"none"`` mode and nothing named it (hostile review r5:
+    when the takeover came within an interval, nothing at all was logged)."""
+    from celery_redlock import signals
+
+    reasons: list[str] = []
+
+    def on_not_sent(sender: Any = None, reason: str = "", **_: Any) -> None:
+        reasons.append(reason)
+
+    signals.beat_not_sent.connect(on_not_sent, weak=False)
+    try:
+        assert _takeover_sends(masters, tmp_path, "none", "killed-none-named") == []
+    finally:
+        signals.beat_not_sent.disconnect(on_not_sent)
+    assert any("e#7 .. e#10" in reason for reason in reasons), reasons
+
+
+@pytest.mark.timeout(60)
+def test_a_crontab_minute_a_killed_leader_claimed_and_never_sent_is_sent(
+    masters: Masters, tmp_path: Any
+) -> None:
+    """A crontab occurrence (this minute) claimed by a leader killed before publishing
+    it, and a beat that leads next without having watched that minute go by (restarted):
+    its tick names the same minute, finds the dead leader's claim and no run claim, and
+    sends it (a worker runs it once: its run claim). Before, it logged only INFO
+    "already sent" and the minute never ran (hostile review r5)."""
+    import datetime as dt
+
+    from celery import Celery
+    from celery import signals as celery_signals
+    from celery.beat import Service
+    from celery.schedules import crontab
+
+    import celery_redlock
+    from celery_redlock import Redlock
+    from celery_redlock.beat import _minute_occurrence, occurrence_key
+    from celery_redlock.testing import wait_for
+
+    wait_for(lambda: time.time() % 60 <= 45, timeout=20, interval=0.2)  # noqa: TID251
+    name = "cron-killed"
+    app = Celery(name, broker="memory://", set_as_current=False)
+    app.conf.update(
+        redlock_redis_urls=masters.urls,
+        redlock_beat_lease_ttl=3,
+        beat_schedule={"c": {"task": "x.y", "schedule": crontab()}},
+    )
+    celery_redlock.install(app)
+    published: list[str] = []
+
+    def on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("redlock_occurrence"):
+            published.append(headers["redlock_occurrence"])
+
+    minute = _minute_occurrence("c", time.time())  # noqa: TID251 - the UTC minute
+    with contextlib.closing(Redlock(masters.urls)) as rl:
+        rl.claim(occurrence_key(name, minute), "sent", "dead-leader:1:abc", 180)
+    celery_signals.before_task_publish.connect(on_publish, weak=False)
+    service = Service(app, schedule_filename=str(tmp_path / "schedule"))
+    try:
+        celery_signals.beat_init.send(sender=service)
+        assert service._redlock_leader.leading
+        # Overdue, as after a restart from a schedule file the killed beat had not
+        # synced: Celery beat sends the entry at its first tick.
+        entry = service.scheduler.schedule["c"]
+        entry.last_run_at = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=2)
+        service.scheduler.tick()
+    finally:
+        celery_signals.before_task_publish.disconnect(on_publish)
+        service._redlock_leader.stop()
+        service.scheduler.close()
+    assert published == [minute]
+
+
 def _deliver(app: Any, headers: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
     """Hand a message with ``headers`` to the worker's consumer step (as the consumer
     does); return whether it reached the pool, and the headers the request is built from."""
