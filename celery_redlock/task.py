@@ -423,6 +423,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # Task.replace() publishes the replacement under the replaced job's id: the
             # caller waits on that id, so it must be published, never coalesced.
             or options.get("replaced_task_nesting")
+            # A beat occurrence: the beat's claims and the workers' run claims send and
+            # run it once. A marker would fold a late send (standing for several
+            # occurrences) into a queued job that stands for one, and a beat killed
+            # between its marker and its publish would leave a marker for a job that
+            # does not exist, returned for every later occurrence until its TTL.
+            or OCCURRENCE_HEADER in (options.get("headers") or {})
             or self.app.conf.task_always_eager
         ):
             return publish(task_id)
@@ -746,6 +752,28 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         kwargs: Mapping[str, Any],
         countdown: float,
         header: dict[str, int],
+        marker: tuple[str, TaskOptions] | None = None,
+    ) -> None:
+        """Publish the job again, ``countdown`` seconds from now, with ``header`` added.
+
+        When the publish fails the job ends here (the error is its result): its dedupe
+        marker (``marker``: its key and options) is dropped, or identical publishes
+        would return a job that never runs until the marker's TTL.
+        """
+        try:
+            self._publish_again(request, args, kwargs, countdown, header)
+        except BaseException:
+            if marker is not None:
+                self._drop_dedupe_marker(marker[0], marker[1], request.id, "a failed reschedule")
+            raise
+
+    def _publish_again(
+        self,
+        request: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        countdown: float,
+        header: dict[str, int],
     ) -> None:
         headers = dict(getattr(request, "headers", None) or {})
         headers.update(header)
@@ -814,7 +842,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 attempt + 1,
             )
             self._keep_queued_marker(request, key, opts, countdown)
-            self._republish(request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1})
+            self._republish(
+                request, args, kwargs, countdown, {CONTENTION_HEADER: attempt + 1}, (key, opts)
+            )
             raise Retry(f"lock {printable(key)} contended", exc=exc, when=countdown)
         if policy == "skip":
             self._end_skipped(request, key, opts, "")
@@ -869,7 +899,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             countdown,
         )
         self._keep_queued_marker(request, key, opts, countdown)
-        self._republish(request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1})
+        self._republish(
+            request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1}, (key, opts)
+        )
         raise Retry(
             f"lock {printable(key)} held by an earlier run of this job", exc=exc, when=countdown
         )
@@ -901,7 +933,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         signals.lock_unavailable.send(
             sender=self, key=key, task_id=request.id, countdown=countdown, errors=exc.errors
         )
-        self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1})
+        self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1}, (key, opts))
         raise Retry(f"lock service unavailable for {printable(key)}", exc=exc, when=countdown)
 
     def _end_skipped(self, request: Any, key: str, opts: TaskOptions, when: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from celery import chain, chord, group
+from celery.canvas import Signature
 
 from celery_redlock import Redlock, SingletonTask
 from celery_redlock.keys import redis_key
@@ -423,3 +424,65 @@ def test_a_contended_canvas_member_claims_no_marker(
     finally:
         holder.release()
         others.close()
+
+
+def test_a_reschedule_that_cannot_be_published_drops_the_marker(
+    env: CeleryEnv, make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A contention reschedule whose publish fails ends the job (the broker error is its
+    result): its "queued" marker goes with it. Before, it stayed on a quorum and every
+    identical publish returned the dead job until the TTL (hostile review r6)."""
+    from kombu.exceptions import OperationalError
+
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="resched:{n}", dedupe="queued")
+    def resched(self: Any, n: int) -> int:
+        return n
+
+    def broker_down(*_: Any, **__: Any) -> None:
+        raise OperationalError("broker unreachable")
+
+    others = Redlock(env.masters.urls)
+    holder = others.acquire("resched:1", ttl=60)
+    marker = redis_key("redlock", "resched:1", resched.dedupe_suffix())
+    try:
+        with run_worker(app):
+            # The reschedule is published as a signature (Signature.apply_async).
+            monkeypatch.setattr(Signature, "apply_async", broker_down)
+            job = resched.delay(1)
+            with pytest.raises(OperationalError):
+                job.get(timeout=15)
+            monkeypatch.undo()
+            assert not env.on_quorum(marker)
+            holder.release()
+            again = resched.delay(1)
+            assert again.id != job.id
+            assert again.get(timeout=15) == 1
+    finally:
+        holder.release()
+        others.close()
+
+
+def test_a_beat_occurrence_is_never_coalesced_at_publish(env: CeleryEnv, make_app: Any) -> None:
+    """Beat messages skip publish-time dedupe: their claims send and run an occurrence
+    once. A marker naming a job that was never published (a beat killed between its
+    marker and its publish) swallowed every later occurrence until its TTL (hostile
+    review r6), and a late send standing for several occurrences could be folded into
+    a queued job standing for one."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="tick:{n}", dedupe="queued")
+    def tick(self: Any, n: int) -> int:
+        return n
+
+    redlock = Redlock(env.masters.urls)
+    try:
+        assert redlock.claim("tick:1", tick.dedupe_suffix(), "phantom", 3600)[0] == "phantom"
+    finally:
+        redlock.close()
+    with run_worker(app):
+        sent = tick.apply_async((1,), headers={"redlock_occurrence": "tick@2026-11-26T00:00Z"})
+        assert sent.id != "phantom"
+        assert sent.get(timeout=15) == 1
+        assert tick.delay(1).id == "phantom"  # a caller's publish still coalesces
