@@ -635,6 +635,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 key,
                 redlock.master_names,
             ) from None
+        except QuorumUnavailable as exc:
+            if exc.key != key or getattr(lease, "_fence", None) is not None:
+                raise
+            # The body could not get its fencing token (too few masters answered the
+            # fence round): it cannot write safely, so the job waits for the lock
+            # service as it does when the outage comes before its run.
+            self._release(request)
+            self._on_unavailable(request, key, opts, exc, args, kwargs)
+            raise  # pragma: no cover - _on_unavailable always raises
         finally:
             # The body is done: nothing needs ordering after the release, so it is
             # sent without waiting (the next round on these connections reads the

@@ -364,3 +364,47 @@ def test_an_exception_between_acquire_and_body_releases_the_lock(
         assert early.delay(1).get(timeout=10) == 1
     assert landed == [True]
     assert len(recorder.spans) == 1
+
+
+def test_a_fence_the_masters_cannot_commit_reschedules_the_job(
+    env: CeleryEnv,
+    make_app: Any,
+    recorder: Recorder,
+    signal_log: SignalLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body's first ``lease.fence`` needs a quorum round; when too few masters answer
+    it (they died after the acquire), the body cannot write safely, and the job waits for
+    the lock service as it does when the outage comes before its run. Before, the job
+    failed with QuorumUnavailable (chaos scenario 14: an item never finished)."""
+    from celery_redlock.exceptions import QuorumUnavailable
+    from celery_redlock.lock.redlock import Redlock as CoreRedlock
+
+    app = make_app()
+    original = CoreRedlock._commit_fence
+    failed: list[bool] = []
+
+    def masters_gone(self: Any, lease: Any) -> int:
+        if not failed:
+            failed.append(True)
+            raise QuorumUnavailable(
+                f"fence for {lease.key!r} committed on 1 of 3 masters, 2 needed",
+                lease.key,
+                self.master_names,
+                {},
+            )
+        return original(self, lease)
+
+    monkeypatch.setattr(CoreRedlock, "_commit_fence", masters_gone)
+
+    @app.task(bind=True, base=SingletonTask, lock_key="fenced:{n}")
+    def fenced(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            return self.lease.fence
+
+    with run_worker(app):
+        result = fenced.delay(1)
+        assert result.get(timeout=20) >= 1
+    assert failed == [True]
+    assert len(recorder.spans) == 2
+    assert [s["task_id"] for s in signal_log.of("lock_unavailable")] == [result.id]
