@@ -62,6 +62,10 @@ def _events_of(env: ProjEnv, task_id: str, event: str) -> list[dict[str, Any]]:
     return [e for e in env.events() if e["task_id"] == task_id and e["event"] == event]
 
 
+def _wait_for_log(worker: Any, text: str) -> None:
+    wait_for(lambda: text in worker.log, timeout=5, message=f"{text!r} in the worker log")
+
+
 def test_time_limits_release_the_lock_at_once(proj_env: ProjEnv, spawn_worker: Any) -> None:
     worker = spawn_worker("a")
     loop = proj_env.client_app().tasks[LOOP]
@@ -138,12 +142,13 @@ def test_revoke_and_a_killed_pool_child_release_at_once(
         lambda job, _: app.control.revoke(job.id, terminate=True, signal="SIGKILL"),
         "REVOKED",
     )
-    assert "released loop:rv-kill after revoke with terminate" in worker.log
+    # The line is logged once the release returned: the masters can show it free first.
+    _wait_for_log(worker, "released loop:rv-kill after revoke with terminate")
     # The OOM killer takes the pool child: the main process sees a WorkerLostError, after
     # up to Celery's worker_lost_wait (10 s) spent waiting for a result the child may have
     # sent before it died.
     run_and_end("oom", lambda _, child: os.kill(child, signal.SIGKILL), "FAILURE", within=13)
-    assert "released loop:oom after WorkerLostError" in worker.log
+    _wait_for_log(worker, "released loop:oom after WorkerLostError")
     assert not any(e["event"] == "exit" for e in proj_env.events())
 
 
