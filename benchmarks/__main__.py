@@ -1,7 +1,8 @@
-"""``python -m benchmarks lock|renewal|tasks|beat|all [options]``: run benchmarks, print tables.
+"""``python -m benchmarks lock|renewal|tasks|beat|down|all [options]``: run, print tables.
 
 ``all`` runs lock, renewal and tasks (about five minutes on 2 cores); ``beat`` kills and
-restarts beat processes for minutes (``--kills``, ``--minutes``) and runs on its own.
+restarts beat processes for minutes (``--kills``, ``--minutes``) and runs on its own;
+``down`` times jobs that meet a down master (about two and a half minutes).
 Options after the name go to each benchmark (``--rounds``, ``--seconds``, ``--save``,
 ``--strict``); ``python -m benchmarks lock --help`` lists them.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from benchmarks import bench_beat, bench_lock, bench_renewal, bench_tasks
+from benchmarks import bench_beat, bench_down, bench_lock, bench_renewal, bench_tasks
 
 BENCHMARKS: dict[str, Callable[[list[str]], int]] = {
     "lock": bench_lock.main,
     "renewal": bench_renewal.main,
     "tasks": bench_tasks.main,
     "beat": bench_beat.main,
+    "down": bench_down.main,
 }
 #: what ``all`` runs: the ones that take minutes, not tens of minutes
 ALL = ("lock", "renewal", "tasks")

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -58,6 +58,7 @@ __all__ = [
     "Masters",
     "Persistence",
     "RedisServer",
+    "blackhole",
     "find_redis_server",
     "process_running",
     "redis_server_version",
@@ -687,6 +688,41 @@ class Masters(list[RedisServer]):
         tb: TracebackType | None,
     ) -> None:
         self.stop_all()
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[tuple[str, int]]:
+    """A loopback ``redis://`` URL (and its port) whose connects hang, as to a master on a
+    host that drops packets: a listener that never accepts, its one-connection backlog
+    filled, so that Linux drops further SYNs. Closed on leaving the block; a
+    :class:`RedisServer` can then be started on the same port (the master comes back).
+
+    :raises TimeoutError: where connects do not hang that way within 5 s (not Linux).
+    """
+    server = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+
+        def hangs() -> bool:
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.05).close()
+            except TimeoutError:
+                return True
+            return False
+
+        wait_for(hangs, timeout=5, message="connects to a full listener still completed")
+        yield f"redis://127.0.0.1:{port}/0", port
+    finally:
+        for filler in fillers:
+            filler.close()
+        server.close()
 
 
 def start_masters(n: int = 3, **kwargs: Any) -> Masters:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import waiting
+from . import probe, waiting
 from .master import Link, Slot
 from .wire import ReplyError
 
@@ -310,7 +310,8 @@ def _connect_all(
     after another. Then each handshake is sent and all are waited for together within
     one ``node_timeout``, so masters that accept a connection but do not answer (a
     stopped process) also cost one timeout in all. A master that cannot be connected
-    gets an entry in ``errors`` and is not tried again for ``reconnect_backoff`` seconds.
+    gets an entry in ``errors`` and is not tried again for ``reconnect_backoff`` seconds,
+    nor at all while :mod:`.probe` watches it (until its server answers a ``PING``).
     """
 
     def failed(i: int, why: object) -> None:
@@ -319,6 +320,8 @@ def _connect_all(
         link.master.connect_after = clock() + reconnect_backoff
         link.master.mark_down(f"connect failed: {why}")
         errors[i] = link.master.last_error
+        # Further tries happen off the jobs' path, until the server answers again.
+        probe.watch(link.master)
 
     connecting: dict[socket.socket, tuple[int, Any]] = {}
     to_open: list[tuple[int, Any]] = []
@@ -329,7 +332,7 @@ def _connect_all(
             link = links[i]
             if payload is None or link.sock is not None:
                 continue
-            if now < link.master.connect_after:
+            if link.master.probing or now < link.master.connect_after:
                 errors[i] = link.master.last_error or "not connected"
                 continue
             try:

@@ -259,6 +259,9 @@ class Master:
         remember_secrets_of(self._connection_kwargs)
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
+        #: set while the probe thread tries this master instead of the rounds (see
+        #: :mod:`.probe`); rounds do not connect to it meanwhile
+        self.probing = False
         #: set while the master failed to answer a round in time; rounds do not wait on it
         self.down = False
         self.last_error = ""

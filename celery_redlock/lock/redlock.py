@@ -16,7 +16,7 @@ from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
 from ..keys import redis_key, validate_key, validate_prefix, validate_suffix
 from ..redact import guard
-from . import heartbeat, limits, process, scripts, waiting
+from . import heartbeat, limits, probe, process, scripts, waiting
 from . import master as master_mod
 from .fanout import Lane, RoundResult, Validator, run_round
 from .lease import Lease
@@ -361,6 +361,8 @@ class Redlock:
             with lane.lock:
                 for link in lane.links:
                     link.close()
+        for master in self.masters:
+            probe.forget(master)
 
     def check_masters(self) -> list[MasterStatus]:
         """Reach every master now and say how each stands, in the order given.
@@ -372,6 +374,7 @@ class Redlock:
         counted towards the quorum. Never raises for unreachable masters.
         """
         for master in self.masters:
+            probe.forget(master)
             master.connect_after = 0.0
         payload = (pack(("PING",)), 1)
         with self._lane() as lane:

@@ -149,6 +149,7 @@ class InstrumentedRedlock(Redlock):
             for i, payload in enumerate(payloads)
             if payload is not None
             and not lane.links[i].connected
+            and not lane.links[i].master.probing
             and now >= lane.links[i].master.connect_after
         )
         started = time.monotonic_ns()

@@ -24,7 +24,7 @@ import pytest
 from celery_redlock.exceptions import LockContended, QuorumUnavailable
 from celery_redlock.lock import Redlock
 from celery_redlock.lock.redlock import IDLE_LANES_KEPT, LANE_IDLE
-from celery_redlock.testing import Masters, wait_for
+from celery_redlock.testing import Masters, blackhole, wait_for
 
 from . import helpers
 from .helpers import keys_on, lock_name, make_redlock, open_fds
@@ -289,11 +289,11 @@ def test_a_stopped_master_does_not_flood_the_log(
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
-def test_a_master_that_comes_back_is_noticed_within_the_reconnect_backoff(
+def test_a_master_that_comes_back_is_noticed_within_the_probe_period(
     masters: Masters,
 ) -> None:
     """A master down for a long time (many operations, 1.5 s apart) is noticed within the
-    base reconnect backoff once it answers again, so it counts when another master fails.
+    probe period once it answers again, so it counts when another master fails.
     A backoff that grew while it stayed down (up to 16 s, reverted) left it unnoticed: with
     the second master gone, acquires raised QuorumUnavailable although two of three
     masters answered."""
@@ -311,6 +311,13 @@ def test_a_master_that_comes_back_is_noticed_within_the_reconnect_backoff(
             offset[0] += 1.5
         assert rl.masters[2].down
         masters[2].start()
+        # The probe thread notices it within its period of real time (the offset clock
+        # plays no part there); a grown backoff would wait for 16 s of the offset clock.
+        wait_for(
+            lambda: not rl.masters[2].probing,
+            timeout=5,
+            message="the returned master was not noticed",
+        )
         for i in range(8):  # 12 s: past the restarted master's quarantine (TTLs of 10 s)
             assert rl.acquire(f"back:{i}", 10).release() is True
             offset[0] += 1.5
@@ -325,6 +332,81 @@ def test_a_master_that_comes_back_is_noticed_within_the_reconnect_backoff(
         assert not rl.masters[2].down
     finally:
         rl.close()
+
+
+@pytest.mark.parametrize("masters", [2], indirect=True)
+def test_a_blackholed_master_costs_the_jobs_one_connect_attempt_not_one_per_backoff(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17: with one master of three dropping packets, every job more than a
+    reconnect backoff after the last attempt waited a node_timeout on its connect. Now
+    the rounds try it once; then the probe thread tries it, off the jobs' path."""
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    from celery_redlock.lock import master as master_module
+    from celery_redlock.lock import probe
+
+    tried: list[str] = []
+    start_connect = master_module.Master.start_connect
+
+    def counting(self: master_module.Master) -> object:
+        tried.append(self.name)
+        return start_connect(self)
+
+    monkeypatch.setattr(master_module.Master, "start_connect", counting)
+    with blackhole() as (url, _):
+        rl = make_redlock([m.url for m in masters] + [url], node_timeout=NODE_TIMEOUT, clock=clock)
+        try:
+            assert rl.acquire("first", 10).release() is True
+            third = rl.masters[2]
+            assert third.down
+            assert third.probing
+            assert third in probe.watching()
+            attempts = tried.count(third.name)
+            assert attempts == 1
+            for i in range(20):  # 20 jobs, each past the rounds' reconnect backoff
+                offset[0] += rl.reconnect_backoff + 0.5
+                lease = rl.acquire(f"job:{i}", 10)
+                assert lease.release() is True
+            assert tried.count(third.name) == attempts, "the jobs tried the blackholed master"
+            assert third.probing
+        finally:
+            rl.close()
+    assert third not in probe.watching()  # close() stops the watch
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_watched_master_is_handed_back_when_it_answers_and_a_forked_child_does_not_wait(
+    masters: Masters,
+) -> None:
+    import os
+
+    from celery_redlock.lock import probe
+
+    rl = make_redlock(masters, node_timeout=NODE_TIMEOUT)
+    rl.reconnect_backoff = 3600.0  # only the probe thread can give the master back
+    assert rl.acquire("warm", 10).release() is True
+    masters[2].kill()
+    rl.close()  # reconnect: the refused connect puts the master under watch
+    assert rl.acquire("down", 10).release() is True
+    assert rl.masters[2].probing
+
+    pid = os.fork()
+    if pid == 0:  # the child: no probe thread, so its rounds connect by themselves
+        os._exit(0 if not rl.masters[2].probing and not probe.watching() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    masters[2].start()
+    wait_for(
+        lambda: cycle(rl, "back") and not rl.masters[2].down,
+        timeout=10,
+        message="the master that answers again was never used",
+    )
+    assert rl.masters[2] not in probe.watching()
 
 
 # -- lanes shrink back ------------------------------------------------------------------------
