@@ -636,7 +636,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 redlock.master_names,
             ) from None
         except QuorumUnavailable as exc:
-            if exc.key != key or getattr(lease, "_fence", None) is not None:
+            if exc.key != key or lease.fence_committed:
                 raise
             # The body could not get its fencing token (too few masters answered the
             # fence round): it cannot write safely, so the job waits for the lock
@@ -769,35 +769,24 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         marker (``marker``: its key and options) is dropped, or identical publishes
         would return a job that never runs until the marker's TTL.
         """
-        try:
-            self._publish_again(request, args, kwargs, countdown, header)
-        except BaseException:
-            if marker is not None:
-                self._drop_dedupe_marker(marker[0], marker[1], request.id, "a failed reschedule")
-            raise
-
-    def _publish_again(
-        self,
-        request: Any,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        countdown: float,
-        header: dict[str, int],
-    ) -> None:
         headers = dict(getattr(request, "headers", None) or {})
         headers.update(header)
         if _rescheduled_since(request) is None:
             headers[WAITING_HEADER] = f"{time.time():.3f};{request.retries or 0}"  # noqa: TID251 - compared across hosts
-        signature = self.signature_from_request(
-            request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
-        )
         serializer = _header(request, SERIALIZER_HEADER)
         token = _republishing.set(True)
         try:
+            signature = self.signature_from_request(
+                request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+            )
             if serializer:
                 signature.apply_async(serializer=serializer)
             else:
                 signature.apply_async()
+        except BaseException:
+            if marker is not None:
+                self._drop_dedupe_marker(marker[0], marker[1], request.id, "a failed reschedule")
+            raise
         finally:
             _republishing.reset(token)
 

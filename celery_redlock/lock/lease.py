@@ -210,6 +210,12 @@ class Lease:
                 self._fence = self.redlock._commit_fence(self)
             return self._fence
 
+    @property
+    def fence_committed(self) -> bool:
+        """Whether :attr:`fence` was committed (read once with success): a
+        :class:`QuorumUnavailable` raised after that came from another round."""
+        return self._fence is not None
+
     def extend(self, ttl: float | None = None) -> None:
         """Set the lock's remaining time on the masters to ``ttl`` seconds (default: the
         lease's TTL), shorter or longer than what is left.
