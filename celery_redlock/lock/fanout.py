@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from . import probe, waiting
 from .master import Link, Slot
 from .wire import ReplyError
@@ -314,14 +316,17 @@ def _connect_all(
     nor at all while :mod:`.probe` watches it (until its server answers a ``PING``).
     """
 
-    def failed(i: int, why: object) -> None:
+    def failed(i: int, why: object, *, unreachable: bool = True) -> None:
         link = links[i]
         link.close()
         link.master.connect_after = clock() + reconnect_backoff
         link.master.mark_down(f"connect failed: {why}")
         errors[i] = link.master.last_error
-        # Further tries happen off the jobs' path, until the server answers again.
-        probe.watch(link.master)
+        if unreachable:
+            # Further tries happen off the jobs' path, until the server answers again.
+            # A master that answered badly keeps the backoff: the probe would hand it
+            # straight back.
+            probe.watch(link.master)
 
     connecting: dict[socket.socket, tuple[int, Any]] = {}
     to_open: list[tuple[int, Any]] = []
@@ -369,7 +374,9 @@ def _connect_all(
             try:
                 handshakes[i] = links[i].open(conn)
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
-                failed(i, exc)
+                # AUTH refused (redis-py sends it for a credential provider): it answers.
+                answered = isinstance(exc, redis.AuthenticationError | redis.ResponseError)
+                failed(i, exc, unreachable=not answered)
         deadline = clock() + node_timeout
         while handshakes:
             timeout = deadline - clock()
@@ -379,12 +386,17 @@ def _connect_all(
                 slot = handshakes[i]
                 try:
                     links[i].read_available()
-                    if slot.done:
-                        del handshakes[i]
-                        links[i].finish_handshake(slot, clock())
                 except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
-                    handshakes.pop(i, None)
-                    failed(i, exc)
+                    del handshakes[i]
+                    # Closed or reset: unreachable. Bytes that are not RESP: it answers.
+                    failed(i, exc, unreachable=isinstance(exc, OSError))
+                    continue
+                if slot.done:
+                    del handshakes[i]
+                    try:
+                        links[i].finish_handshake(slot, clock())
+                    except Exception as exc:  # noqa: BLE001 - an error or unusable reply
+                        failed(i, exc, unreachable=False)
         for i in list(handshakes):
             del handshakes[i]
             failed(i, f"no handshake reply within {node_timeout}s")

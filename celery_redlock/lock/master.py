@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
 from ..redact import guard, remember_secrets_of, scrub
-from . import events, summary, waiting, wire
+from . import events, process, summary, waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -259,9 +259,9 @@ class Master:
         remember_secrets_of(self._connection_kwargs)
         #: monotonic time until which we do not try to connect again after a failure
         self.connect_after = 0.0
-        #: set while the probe thread tries this master instead of the rounds (see
-        #: :mod:`.probe`); rounds do not connect to it meanwhile
-        self.probing = False
+        #: (pid, token) of the probe thread that tries this master instead of the rounds
+        #: (see :mod:`.probe`), or None
+        self.probe_ticket: tuple[int, object] | None = None
         #: set while the master failed to answer a round in time; rounds do not wait on it
         self.down = False
         self.last_error = ""
@@ -281,6 +281,13 @@ class Master:
 
     def __repr__(self) -> str:
         return f"<Master {self.name}>"
+
+    @property
+    def probing(self) -> bool:
+        """Whether a probe thread of this process tries the master: rounds do not connect
+        to it meanwhile. In a forked child, the parent's watch does not count."""
+        ticket = self.probe_ticket
+        return ticket is not None and ticket[0] == process.pid()
 
     @property
     def restarted_at(self) -> float | None:
