@@ -691,34 +691,37 @@ class Masters(list[RedisServer]):
 
 
 @contextlib.contextmanager
-def blackhole() -> Iterator[tuple[str, int]]:
+def blackhole(host: str = "127.0.0.1", port: int = 0) -> Iterator[tuple[str, int]]:
     """A loopback ``redis://`` URL (and its port) whose connects hang, as to a master on a
     host that drops packets: a listener that never accepts, its one-connection backlog
     filled, so that Linux drops further SYNs. Closed on leaving the block; a
     :class:`RedisServer` can then be started on the same port (the master comes back).
+
+    ``host`` and ``port`` say where to listen (any loopback address, such as
+    ``127.0.0.2``; port 0: a free one).
 
     :raises TimeoutError: where connects do not hang that way within 5 s (not Linux).
     """
     server = socket.socket()
     fillers: list[socket.socket] = []
     try:
-        server.bind(("127.0.0.1", 0))
+        server.bind((host, port))
         server.listen(0)
         port = server.getsockname()[1]
 
         def hangs() -> bool:
             filler = socket.socket()
             filler.setblocking(False)
-            filler.connect_ex(("127.0.0.1", port))
+            filler.connect_ex((host, port))
             fillers.append(filler)
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.05).close()
+                socket.create_connection((host, port), timeout=0.05).close()
             except TimeoutError:
                 return True
             return False
 
         wait_for(hangs, timeout=5, message="connects to a full listener still completed")
-        yield f"redis://127.0.0.1:{port}/0", port
+        yield f"redis://{host}:{port}/0", port
     finally:
         for filler in fillers:
             filler.close()

@@ -266,6 +266,18 @@ def run_round(
     return result
 
 
+def _answered(exc: BaseException) -> bool:
+    """Whether a failed connect by redis-py (TLS, unix sockets, credential providers) was
+    refused by a server that answers: AUTH refused, an error reply, a TLS certificate or
+    handshake refused. Probing such a master would hand it straight back."""
+    if isinstance(exc, redis.AuthenticationError | redis.ResponseError) or probe.tls_refused(exc):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return isinstance(cause, redis.AuthenticationError | redis.ResponseError) or (
+        probe.tls_refused(cause)
+    )
+
+
 def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> list[int]:
     """Which of ``links[i]`` for ``i`` in ``indexes`` have something to read.
 
@@ -374,9 +386,7 @@ def _connect_all(
             try:
                 handshakes[i] = links[i].open(conn)
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
-                # AUTH refused (redis-py sends it for a credential provider): it answers.
-                answered = isinstance(exc, redis.AuthenticationError | redis.ResponseError)
-                failed(i, exc, unreachable=not answered)
+                failed(i, exc, unreachable=not _answered(exc))
         deadline = clock() + node_timeout
         while handshakes:
             timeout = deadline - clock()
@@ -388,8 +398,10 @@ def _connect_all(
                     links[i].read_available()
                 except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                     del handshakes[i]
-                    # Closed or reset: unreachable. Bytes that are not RESP: it answers.
-                    failed(i, exc, unreachable=isinstance(exc, OSError))
+                    # Closed or reset without a word: unreachable. Closed after a reply
+                    # (-ERR max number of clients reached) or bytes that are not RESP:
+                    # it answers, badly.
+                    failed(i, exc, unreachable=isinstance(exc, OSError) and not slot.replies)
                     continue
                 if slot.done:
                     del handshakes[i]

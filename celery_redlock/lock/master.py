@@ -262,6 +262,11 @@ class Master:
         #: (pid, token) of the probe thread that tries this master instead of the rounds
         #: (see :mod:`.probe`), or None
         self.probe_ticket: tuple[int, object] | None = None
+        #: (pid, thread) of the probe thread that runs for this master, or None
+        self.probe_thread: tuple[int, threading.Thread] | None = None
+        #: the address (of several the host name resolves to) that last answered a
+        #: probe: connects try it first
+        self.good_address: object | None = None
         #: set while the master failed to answer a round in time; rounds do not wait on it
         self.down = False
         self.last_error = ""
@@ -322,9 +327,13 @@ class Master:
         conn = _Preconnected(**kwargs)  # type: ignore[no-untyped-call]
         conn.handshake = handshake
         try:
-            family, socktype, proto, _, address = socket.getaddrinfo(
-                conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM
-            )[0]
+            infos = socket.getaddrinfo(conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM)
+            # The first address, unless a probe found another one answering (a name
+            # whose first address drops packets would never be connected otherwise).
+            good = self.good_address
+            family, socktype, proto, _, address = next(
+                (info for info in infos if good is not None and info[4] == good), infos[0]
+            )
             sock = socket.socket(family, socktype, proto)
         except OSError:
             return None

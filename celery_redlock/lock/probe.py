@@ -10,16 +10,26 @@ as long as the backoff has grown, and the quorum can fail with a majority up (me
 and reverted: with 16 s of backoff, acquires raised ``QuorumUnavailable`` with two of
 three masters answering).
 
-So once a connect fails, the rounds stop trying that master, and a daemon thread of its
-own (``redlock-probe``, gone as soon as the master answers, is forgotten or is no longer
-used by anyone) tries it instead, every :data:`PERIOD` seconds: a TCP (or unix socket)
-connect and a ``PING``, each within the master's ``node_timeout``. Once connected, any
-outcome but silence counts as an answer (``+PONG``, ``-NOAUTH``, the connection closed
-or reset, as a TLS port does with a plaintext ``PING``): the server runs, and the master
-is handed back to the rounds, whose next connect does the real handshake (if that fails
-to reach it again, the master comes back here). One thread per master, not one for all:
-a master with a long ``node_timeout`` that stays blackholed must not delay noticing
-another one, so a returning master is counted within :data:`PERIOD` plus its own probe.
+So once a connect cannot reach a master, the rounds stop trying it, and a daemon thread
+of its own (``redlock-probe``) tries it instead, every :data:`PERIOD` seconds: a connect
+and a ``PING`` (after ``AUTH`` and ``SELECT`` where configured), each within the
+master's ``node_timeout``. ``PONG`` means the rounds' connect would succeed: the master is
+handed back to the rounds, whose next connect does the real handshake (if that cannot
+reach it again, the master comes back here; if the server answers badly, the rounds'
+backoff applies). Anything else (silence, a close, ``-ERR max number of clients
+reached``, a password or certificate refused) keeps the watch. Plain TCP masters are
+tried at every address their name resolves to, and the one that answered is the one the
+rounds connect to next. TLS masters are tried
+through redis-py's own connection (TLS handshake, ``AUTH``, then ``PING``), so that a TLS
+terminator whose server behind it does not answer is not taken for a running master.
+
+One thread per master, not one for all: a master with a long ``node_timeout`` that stays
+blackholed must not delay noticing another one, so a returning master is counted within
+:data:`PERIOD` plus its own probe. A master watched again while its thread still runs
+keeps that thread. A watch ends after :data:`WATCH_LIMIT` seconds without an answer: the
+rounds then try the master once more (one connect attempt a minute on the jobs' path at
+most), which also ends the thread of a client that was dropped without ``close()`` (its
+masters are in a reference cycle and wait for a full garbage collection).
 
 Whose watch it is is stamped with the process id (``Master.probe_ticket``): a forked
 child, which has none of its parent's threads, sees no master as watched, and its rounds
@@ -39,24 +49,36 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import redis
 
-from . import process
+from . import process, wire
 
 if TYPE_CHECKING:
     from .master import Master
 
-__all__ = ["PERIOD", "address_of", "forget", "probe", "watch", "watching"]
+__all__ = [
+    "PERIOD",
+    "WATCH_LIMIT",
+    "address_of",
+    "forget",
+    "probe",
+    "tls_refused",
+    "watch",
+    "watching",
+]
 
 logger = logging.getLogger("celery_redlock.lock")
 
 #: Seconds between two tries of a master that is being watched.
 PERIOD = 0.5
+#: Seconds a watch lasts without an answer; then the rounds try the master themselves.
+WATCH_LIMIT = 60.0
 
 #: Guards the tickets and ``_watched``; held for a few assignments, never across a call
 #: that could block or switch greenlets.
@@ -80,58 +102,114 @@ def address_of(master: Master) -> tuple[int, object, bool] | None:
 
 
 def probe(master: Master) -> bool:
-    """Whether ``master``'s server answers: connect, send ``PING``, and see whether
-    anything but silence comes back, each within its ``node_timeout``."""
+    """Whether a connect of the rounds would reach ``master`` now: its server answers
+    ``PING`` with ``PONG`` (after ``AUTH``/``SELECT`` where configured), each step within
+    its ``node_timeout``. A server out of connection slots (``-ERR max number of clients
+    reached``), refusing the password or a TLS certificate, is not handed back: the
+    watch's limit gives it to the rounds, whose backoff then applies."""
     found = address_of(master)
     if found is None:
         return False
-    family, address, _ = found
-    timeout = master.node_timeout
+    family, address, tls = found
+    pipelined = master._pipelined
+    if tls or family == socket.AF_UNIX or pipelined is None:
+        return _probe_with_redis_py(master)
+    commands = [c for c in pipelined[1] if c[0] in ("AUTH", "SELECT")]
+    if pipelined[0].get("credential_provider") is not None or (
+        pipelined[0].get("username") and not pipelined[0].get("password") and not commands
+    ):
+        return _probe_with_redis_py(master)
+    payload = wire.pack(*commands, ("PING",))
+    host, port = cast("tuple[str, int]", address)
     try:
-        if family == socket.AF_UNIX:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(address)  # type: ignore[arg-type]
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(address, timeout=timeout)  # type: ignore[arg-type]
+        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError:
-        return False  # refused, unreachable, timed out: nobody there
+        return False
+    for info in infos:
+        if _ping(info[0], info[4], payload, len(commands) + 1, master.node_timeout):
+            master.good_address = info[4]
+            return True
+    return False
+
+
+def _ping(family: int, sockaddr: object, payload: bytes, replies: int, timeout: float) -> bool:
+    """Connect to ``sockaddr``, send ``payload``; True when its last reply is PONG."""
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    reader = wire.reader()
+    got: list[object] = []
+    deadline = time.monotonic() + 2 * timeout  # connect, then the replies
     with sock:
         try:
             sock.settimeout(timeout)
-            sock.sendall(b"PING\r\n")
-            sock.recv(64)  # a reply, or b"" when it closed the connection: it runs
-        except TimeoutError:
-            return False  # accepted by the kernel, but the server does not answer
-        except OSError:
-            return True  # reset or closed on us: a server is there and acting
-    return True
+            sock.connect(sockaddr)  # type: ignore[arg-type]
+            sock.sendall(payload)
+            while len(got) < replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                sock.settimeout(left)
+                data = sock.recv(4096)
+                if not data:
+                    return False
+                reader.feed(data)
+                while (reply := reader.gets()) is not False:
+                    got.append(reply)
+        except (OSError, wire.ProtocolError):
+            return False
+    return got[-1] == b"PONG"
+
+
+def _probe_with_redis_py(master: Master) -> bool:
+    """The same through redis-py's own connection (TLS, unix sockets, credentials that
+    are not a plain password): its connect does the TLS handshake and ``AUTH``."""
+    conn = master.new_connection()
+    try:
+        conn.connect()
+        conn.send_command("PING")
+        return bool(conn.read_response() in (True, b"PONG", "PONG"))
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        conn.disconnect()
+
+
+def tls_refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says a TLS handshake was refused by a peer that speaks (a
+    certificate refused, a plaintext server on a TLS port), not a connection closed or
+    reset on the way (``SSLEOFError`` and the like: nobody serving)."""
+    return isinstance(exc, ssl.SSLError) and not isinstance(
+        exc, ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
+    )
 
 
 def watch(master: Master) -> bool:
-    """Keep the rounds off ``master`` and try it from a probe thread until it answers.
+    """Keep the rounds off ``master`` and try it from its probe thread until it answers.
 
     Returns False (and changes nothing) for a master the thread cannot address: the
     rounds then keep trying it after their own backoff.
     """
     if address_of(master) is None:
         return False
+    me = process.pid()
     with _lock:
-        if master.probing:  # already watched by a thread of this process
-            return True
-        ticket = (process.pid(), object())
+        ticket = (me, object())
         master.probe_ticket = ticket
         _watched[id(master)] = master
-    thread = threading.Thread(
-        target=_run, args=(weakref.ref(master), ticket), name="redlock-probe", daemon=True
-    )
+        running = master.probe_thread
+        if running is not None and running[0] == me:
+            return True  # its thread is running: it takes the new ticket
+        thread = threading.Thread(
+            target=_run, args=(weakref.ref(master),), name="redlock-probe", daemon=True
+        )
+        master.probe_thread = (me, thread)
     try:
         thread.start()
     except RuntimeError:  # interpreter shutdown: the rounds keep their backoff
+        with _lock:
+            master.probe_thread = None
         _hand_back(master, ticket, answered=False)
         return False
     return True
@@ -155,31 +233,32 @@ def _hand_back(master: Master, ticket: object, *, answered: bool) -> None:
         if master.probe_ticket is ticket:
             master.probe_ticket = None
             _watched.pop(id(master), None)
-            if answered:
-                master.connect_after = 0.0
+            # Answered: connect at once. Given up: the rounds try once more, now.
+            master.connect_after = 0.0
 
 
-def _run(ref: weakref.ref[Master], ticket: object) -> None:
+def _run(ref: weakref.ref[Master]) -> None:
+    ticket: object = None
+    since = time.monotonic()
     while True:
         time.sleep(PERIOD)
-        if _try(ref, ticket):
+        master = ref()
+        if master is None:
             return
-
-
-def _try(ref: weakref.ref[Master], ticket: object) -> bool:
-    """One try; True when the thread is done (answered, forgotten, or nobody's master).
-    Holds the master only for the length of the try, so that it can be collected."""
-    master = ref()
-    if master is None or master.probe_ticket is not ticket:
-        return True
-    try:
-        answered = probe(master)
-    except Exception:  # a probe must never end the thread with the master still watched
-        logger.debug("probe of master %s failed", master.name, exc_info=True)
-        answered = False
-    if answered:
-        _hand_back(master, ticket, answered=True)
-    return answered
+        with _lock:
+            if not master.probing:
+                master.probe_thread = None  # watched again after this: a new thread
+                return
+            if master.probe_ticket is not ticket:  # watched anew (check_masters, ...)
+                ticket, since = master.probe_ticket, time.monotonic()
+        try:
+            answered = probe(master)
+        except Exception:  # a probe must never end the thread with the master watched
+            logger.debug("probe of master %s failed", master.name, exc_info=True)
+            answered = False
+        if answered or time.monotonic() - since >= WATCH_LIMIT:
+            _hand_back(master, ticket, answered=answered)
+        del master  # between two tries the thread holds no reference
 
 
 def _after_fork_in_child() -> None:

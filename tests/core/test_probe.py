@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -39,6 +40,9 @@ NODE_TIMEOUT = 0.2
 
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
+    # Counting probe threads needs the earlier tests' ones gone: they end within a
+    # period once their clients are closed.
+    wait_for(lambda: not _probe_threads(), timeout=5, message="earlier probe threads live on")
     yield from helpers.clean_state()
 
 
@@ -83,16 +87,39 @@ def resetting_server() -> Iterator[int]:
         listener.close()
 
 
-def test_a_tls_port_that_resets_the_plaintext_ping_is_answering() -> None:
-    """Review r7 #1: the reset came as ConnectionResetError and counted as "down", so a
-    rediss:// master that failed one connect was never used again."""
+def test_what_counts_as_an_answer() -> None:
+    """Review r7 #1 and r8 F1: the probe must judge as the rounds' connect would. A TLS
+    port that resets a plaintext PING was taken for down (a rediss:// master never came
+    back); then any reset was taken for an answer, and a TLS terminator whose server did
+    not answer was handed back to the jobs every 0.5 s. TLS masters are now tried through
+    redis-py (TLS handshake, then PING); every master must answer PONG."""
     with resetting_server() as port:
-        master = make_master(f"rediss://127.0.0.1:{port}/0", NODE_TIMEOUT)
-        assert probe.probe(master) is True
-        plain = make_master(f"redis://127.0.0.1:{port}/0", NODE_TIMEOUT)
-        assert probe.probe(plain) is True  # a server is there, acting
+        # Plain TCP: a server that closes without a word is nobody serving.
+        assert probe.probe(make_master(f"redis://127.0.0.1:{port}/0", NODE_TIMEOUT)) is False
+        # TLS: reset during the TLS handshake: nobody serving either.
+        assert probe.probe(make_master(f"rediss://127.0.0.1:{port}/0", NODE_TIMEOUT)) is False
+    fake = FakeMaster(http_answer)
+    try:
+        # A plaintext server on a TLS port: the rounds could not use it either.
+        assert not probe.probe(make_master(f"rediss://127.0.0.1:{fake.port}/0", NODE_TIMEOUT))
+        assert not probe.probe(make_master(fake.url, NODE_TIMEOUT))  # not PONG
+    finally:
+        fake.close()
     with blackhole() as (url, _):
         assert probe.probe(make_master(url.replace("redis://", "rediss://"), 0.1)) is False
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_the_redis_py_probe_needs_a_reply_to_its_ping(masters: Masters) -> None:
+    """The TLS path (redis-py's connection) on a plain master: a paused server behind a
+    connection that opens (as behind a TLS terminator) is not answering."""
+    master = make_master(masters[0].url, NODE_TIMEOUT)
+    assert probe._probe_with_redis_py(master) is True
+    masters[0].pause()
+    try:
+        assert probe._probe_with_redis_py(master) is False
+    finally:
+        masters[0].resume()
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
@@ -182,7 +209,10 @@ def test_a_client_dropped_without_close_is_not_probed_forever(masters: Masters) 
     assert rl.acquire("once", 10).release() is True
     assert rl.masters[2].probing
     gone = weakref.ref(rl.masters[2])
-    del rl
+    for lane in rl._lanes:  # its connections, not its watch (close() would end that)
+        for link in lane.links:
+            link.close()
+    del rl, lane, link
 
     def collected() -> bool:
         gc.collect()
@@ -263,3 +293,120 @@ def test_masters_that_answer_badly_keep_the_backoff(
         assert all(m.connect_after > 0 for m in refused)
     finally:
         fake.close()
+
+
+@contextlib.contextmanager
+def refusing_server(reply: bytes) -> Iterator[int]:
+    """A port whose server sends ``reply`` to every new connection and closes it, as
+    redis-server does when ``maxclients`` is reached."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with contextlib.suppress(OSError):
+                conn.sendall(reply)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+
+
+@pytest.mark.parametrize("masters", [2], indirect=True)
+def test_a_master_out_of_connection_slots_is_not_handed_back_to_the_jobs(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r8 F3: "-ERR max number of clients reached" and a close came as a closed
+    connection, so the master went to the probe, which got the same reply and handed it
+    straight back: twice the connects to a server already out of slots."""
+    from celery_redlock.lock import master as master_module
+
+    tried: list[str] = []
+    start_connect = master_module.Master.start_connect
+
+    def counting(self: master_module.Master) -> object:
+        tried.append(self.name)
+        return start_connect(self)
+
+    monkeypatch.setattr(master_module.Master, "start_connect", counting)
+    with refusing_server(b"-ERR max number of clients reached\r\n") as port:
+        rl = make_redlock([*masters.urls, f"redis://127.0.0.1:{port}/0"], node_timeout=NODE_TIMEOUT)
+        third = rl.masters[2]
+        assert rl.acquire("full", 10).release() is True
+        assert third.down
+        # Jobs every 0.1 s for 3 s: the rounds' backoff (1 s), or the watch (which this
+        # reply does not end), allow 3 more connects at most; handed back at every
+        # probe, the jobs connected every 0.5 s.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert _cycle(rl, "full")
+            time.sleep(0.1)  # the pace of the jobs, not a wait for a condition
+        assert tried.count(third.name) <= 4, tried.count(third.name)
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_name_whose_first_address_drops_packets_is_connected_at_the_next(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r8 F2: the rounds connect to a name's first address only; the probe found
+    the server at the second and handed the master back, and the rounds timed out on the
+    first again: never connected (acquires failed with every server up). The rounds now
+    connect where the probe was answered."""
+    real = socket.getaddrinfo
+    port = masters[2].port
+
+    def resolve(host: object, *args: object, **kwargs: object) -> object:
+        if host == "two-addresses.test":
+            first = real("127.0.0.2", port, socket.AF_INET, socket.SOCK_STREAM)
+            second = real("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM)
+            return [*first, *second]
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with blackhole("127.0.0.2", port):
+        rl = make_redlock(
+            [masters[0].url, masters[1].url, f"redis://two-addresses.test:{port}/0"],
+            node_timeout=NODE_TIMEOUT,
+        )
+        assert rl.acquire("first", 10).release() is True
+        assert rl.masters[2].down
+        wait_for(
+            lambda: _cycle(rl, "again") and not rl.masters[2].down,
+            timeout=5,
+            message="the master at the name's second address was never connected",
+        )
+
+
+@pytest.mark.parametrize("masters", [2], indirect=True)
+def test_a_watch_ends_after_its_limit_and_one_thread_serves_a_master(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r8 F4 and F5: a client dropped without close() kept its probe threads until
+    a full garbage collection, and every forget-and-watch (check_masters in a loop)
+    started a thread while the earlier ones slept out their period (600 alive)."""
+    monkeypatch.setattr(probe, "WATCH_LIMIT", 1.0)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        refused = f"redis://127.0.0.1:{unused.getsockname()[1]}/0"
+    rl = make_redlock([*masters.urls, refused], node_timeout=NODE_TIMEOUT)
+    most = 0
+    for _ in range(200):
+        rl.check_masters()
+        most = max(most, len(_probe_threads()))
+    assert most <= 1, f"{most} probe threads for one master"
+    assert rl.masters[2].probing
+    # Nobody answers: after the limit the rounds get the master back, and the thread ends.
+    wait_for(lambda: not rl.masters[2].probing, timeout=5, message="the watch never ended")
+    assert rl.masters[2].connect_after == 0.0
+    wait_for(lambda: not _probe_threads(), timeout=5, message="the probe thread lives on")
