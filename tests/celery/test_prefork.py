@@ -83,7 +83,9 @@ def test_time_limits_release_the_lock_at_once(proj_env: ProjEnv, spawn_worker: A
     [second_enter] = _entered(proj_env, second.id)
     waited = (second_enter["t"] - first_enter["t"]) / 1e9
     # 1 s of soft limit plus a contention backoff (< 0.5 s) or two: far below lock_ttl=30.
-    assert 1.0 <= waited < 5
+    # The limit runs from the pool's start of the job, a few ms before the body's first
+    # line records its entry (CI: 0.992 s between the two entries).
+    assert 0.9 <= waited < 5
     lock = _lock_names("loop:soft")[0]
     wait_for(lambda: not any(_on_masters(proj_env, lock)), timeout=5, message="released")
 
