@@ -223,7 +223,7 @@ def forget(master: Master) -> None:
 
 
 def watching() -> list[Master]:
-    """The masters this process watches now (for tests and ``check``)."""
+    """The masters this process watches now (for tests)."""
     with _lock:
         return [master for master in _watched.values() if master.probing]
 

@@ -19,7 +19,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from celery_redlock.exceptions import LockContended, LockLost, QuorumUnavailable
 from celery_redlock.keys import redis_key
@@ -37,9 +38,9 @@ from celery_redlock.testing import RedisServer
 __all__ = [
     "Ledger",
     "assert_no_overlap",
-    "blackhole",
     "clean_state",
     "command_calls",
+    "count_connects",
     "forget_masters",
     "in_child",
     "keys_on",
@@ -61,33 +62,20 @@ _made: list[Redlock] = []
 # -- clients and state ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def blackhole() -> Iterator[str]:
-    """A ``redis://`` URL whose TCP connects hang, as to a host that drops packets.
+def count_connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the masters the rounds start a TCP connect to, in order, from now on
+    (``Master.start_connect`` counted)."""
+    from celery_redlock.lock import master as master_module
 
-    A loopback listener with a backlog of 0 that never accepts, its queue filled by one
-    connection: Linux then drops further SYNs, so a connect neither completes nor fails
-    until the client gives up.
-    """
-    listener = socket.socket()
-    filler = socket.socket()
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        port = listener.getsockname()[1]
-        filler.connect(("127.0.0.1", port))
-        probe = socket.socket()
-        probe.settimeout(0.2)
-        try:
-            with contextlib.suppress(TimeoutError):
-                probe.connect(("127.0.0.1", port))
-                raise AssertionError("the backlog is not full: connects still complete")
-        finally:
-            probe.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        filler.close()
-        listener.close()
+    tried: list[str] = []
+    start_connect = master_module.Master.start_connect
+
+    def counting(self: master_module.Master) -> object:
+        tried.append(self.name)
+        return start_connect(self)
+
+    monkeypatch.setattr(master_module.Master, "start_connect", counting)
+    return tried
 
 
 def make_redlock(masters: Sequence[Any], **kwargs: Any) -> Redlock:

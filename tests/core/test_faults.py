@@ -17,7 +17,7 @@ import pytest
 
 from celery_redlock.exceptions import LockContended, QuorumUnavailable
 from celery_redlock.lock import waiting
-from celery_redlock.testing import Masters, RedisServer, wait_for
+from celery_redlock.testing import Masters, RedisServer, blackhole, wait_for
 
 from . import helpers
 from .helpers import command_calls, keys_on, lock_name, make_redlock, value_on
@@ -97,7 +97,7 @@ def test_masters_that_drop_connects_cost_one_timeout_in_all(masters: Masters) ->
     connect after another (as redis-py does) took 3 x node_timeout here.
     """
     with contextlib.ExitStack() as stack:
-        dark = [stack.enter_context(helpers.blackhole()) for _ in range(5 - len(masters))]
+        dark = [stack.enter_context(blackhole())[0] for _ in range(5 - len(masters))]
         rl = make_redlock([*masters, *dark], node_timeout=NODE_TIMEOUT)
         elapsed, outcome = timed(lambda: rl.acquire("dark", 5))
         assert elapsed < NODE_TIMEOUT + SLACK

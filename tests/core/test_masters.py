@@ -346,17 +346,9 @@ def test_a_blackholed_master_costs_the_jobs_one_connect_attempt_not_one_per_back
     def clock() -> float:
         return time.monotonic() + offset[0]
 
-    from celery_redlock.lock import master as master_module
     from celery_redlock.lock import probe
 
-    tried: list[str] = []
-    start_connect = master_module.Master.start_connect
-
-    def counting(self: master_module.Master) -> object:
-        tried.append(self.name)
-        return start_connect(self)
-
-    monkeypatch.setattr(master_module.Master, "start_connect", counting)
+    tried = helpers.count_connects(monkeypatch)
     with blackhole() as (url, _):
         rl = make_redlock([m.url for m in masters] + [url], node_timeout=NODE_TIMEOUT, clock=clock)
         try:

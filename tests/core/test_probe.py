@@ -58,9 +58,11 @@ def _probe_threads() -> list[threading.Thread]:
 
 
 @contextlib.contextmanager
-def resetting_server() -> Iterator[int]:
-    """A port whose server accepts, reads what comes, and resets the connection: what a
-    redis-server TLS port does to a plaintext ``PING`` (it closes with unread bytes)."""
+def closing_server(reply: bytes | None = None) -> Iterator[int]:
+    """A port whose server ends every connection at once: with ``reply``, it sends it and
+    closes, as redis-server does when ``maxclients`` is reached; without, it reads two
+    bytes and resets the connection, as a redis-server TLS port does to a plaintext
+    ``PING`` (it closes with unread bytes)."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -73,8 +75,12 @@ def resetting_server() -> Iterator[int]:
                 continue
             conn.settimeout(1)
             with contextlib.suppress(OSError):
-                conn.recv(2)  # leaves bytes unread, as redis does with a bad TLS hello
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                if reply is None:
+                    conn.recv(2)  # leaves bytes unread, as redis does with a bad TLS hello
+                    linger = struct.pack("ii", 1, 0)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                else:
+                    conn.sendall(reply)
             conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -93,7 +99,7 @@ def test_what_counts_as_an_answer() -> None:
     back); then any reset was taken for an answer, and a TLS terminator whose server did
     not answer was handed back to the jobs every 0.5 s. TLS masters are now tried through
     redis-py (TLS handshake, then PING); every master must answer PONG."""
-    with resetting_server() as port:
+    with closing_server() as port:
         # Plain TCP: a server that closes without a word is nobody serving.
         assert probe.probe(make_master(f"redis://127.0.0.1:{port}/0", NODE_TIMEOUT)) is False
         # TLS: reset during the TLS handshake: nobody serving either.
@@ -295,34 +301,6 @@ def test_masters_that_answer_badly_keep_the_backoff(
         fake.close()
 
 
-@contextlib.contextmanager
-def refusing_server(reply: bytes) -> Iterator[int]:
-    """A port whose server sends ``reply`` to every new connection and closes it, as
-    redis-server does when ``maxclients`` is reached."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve() -> None:
-        listener.settimeout(0.05)
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with contextlib.suppress(OSError):
-                conn.sendall(reply)
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        listener.close()
-
-
 @pytest.mark.parametrize("masters", [2], indirect=True)
 def test_a_master_out_of_connection_slots_is_not_handed_back_to_the_jobs(
     masters: Masters, monkeypatch: pytest.MonkeyPatch
@@ -330,17 +308,8 @@ def test_a_master_out_of_connection_slots_is_not_handed_back_to_the_jobs(
     """Review r8 F3: "-ERR max number of clients reached" and a close came as a closed
     connection, so the master went to the probe, which got the same reply and handed it
     straight back: twice the connects to a server already out of slots."""
-    from celery_redlock.lock import master as master_module
-
-    tried: list[str] = []
-    start_connect = master_module.Master.start_connect
-
-    def counting(self: master_module.Master) -> object:
-        tried.append(self.name)
-        return start_connect(self)
-
-    monkeypatch.setattr(master_module.Master, "start_connect", counting)
-    with refusing_server(b"-ERR max number of clients reached\r\n") as port:
+    tried = helpers.count_connects(monkeypatch)
+    with closing_server(b"-ERR max number of clients reached\r\n") as port:
         rl = make_redlock([*masters.urls, f"redis://127.0.0.1:{port}/0"], node_timeout=NODE_TIMEOUT)
         third = rl.masters[2]
         assert rl.acquire("full", 10).release() is True
