@@ -270,11 +270,10 @@ def _answered(exc: BaseException) -> bool:
     """Whether a failed connect by redis-py (TLS, unix sockets, credential providers) was
     refused by a server that answers: AUTH refused, an error reply, a TLS certificate or
     handshake refused. Probing such a master would hand it straight back."""
-    if isinstance(exc, redis.AuthenticationError | redis.ResponseError) or probe.tls_refused(exc):
-        return True
-    cause = exc.__cause__ or exc.__context__
-    return isinstance(cause, redis.AuthenticationError | redis.ResponseError) or (
-        probe.tls_refused(cause)
+    return any(
+        isinstance(found, redis.AuthenticationError | redis.ResponseError)
+        or probe.tls_refused(found)
+        for found in (exc, exc.__cause__ or exc.__context__)
     )
 
 

@@ -77,6 +77,8 @@ logger = logging.getLogger("celery_redlock.lock")
 
 #: Seconds between two tries of a master that is being watched.
 PERIOD = 0.5
+#: connection kwargs that, when set, mean redis-py does the connect's authentication
+_LEFT_TO_REDIS_PY = ("credential_provider", "redis_connect_func", "username")
 #: Seconds a watch lasts without an answer; then the rounds try the master themselves.
 WATCH_LIMIT = 60.0
 
@@ -112,13 +114,16 @@ def probe(master: Master) -> bool:
         return False
     family, address, tls = found
     pipelined = master._pipelined
-    if tls or family == socket.AF_UNIX or pipelined is None:
-        return _probe_with_redis_py(master)
-    commands = [c for c in pipelined[1] if c[0] in ("AUTH", "SELECT")]
-    if pipelined[0].get("credential_provider") is not None or (
-        pipelined[0].get("username") and not pipelined[0].get("password") and not commands
+    # Credentials the pipelined handshake leaves to redis-py (a credential provider, a
+    # custom connect function, a username without a password) stay in its kwargs.
+    if (
+        tls
+        or family == socket.AF_UNIX
+        or pipelined is None
+        or any(pipelined[0].get(name) for name in _LEFT_TO_REDIS_PY)
     ):
         return _probe_with_redis_py(master)
+    commands = [c for c in pipelined[1] if c[0] in ("AUTH", "SELECT")]
     payload = wire.pack(*commands, ("PING",))
     host, port = cast("tuple[str, int]", address)
     try:

@@ -29,7 +29,7 @@ import pytest
 from celery_redlock.exceptions import LockContended, QuorumUnavailable
 from celery_redlock.lock import Redlock, probe
 from celery_redlock.lock.master import make_master
-from celery_redlock.testing import Masters, blackhole, wait_for
+from celery_redlock.testing import Masters, RedisServer, blackhole, wait_for
 
 from . import helpers
 from .helpers import make_redlock
@@ -379,3 +379,16 @@ def test_a_watch_ends_after_its_limit_and_one_thread_serves_a_master(
     wait_for(lambda: not rl.masters[2].probing, timeout=5, message="the watch never ended")
     assert rl.masters[2].connect_after == 0.0
     wait_for(lambda: not _probe_threads(), timeout=5, message="the probe thread lives on")
+
+
+def test_a_password_master_is_answering_only_with_its_password() -> None:
+    """The probe sends the AUTH the rounds' handshake sends: PONG after it counts; a
+    refused password keeps the watch (the rounds would fail on it too)."""
+    with RedisServer(password="s3cret-probe") as server:
+        assert probe.probe(make_master(server.url, NODE_TIMEOUT)) is True
+        wrong = server.url.replace("s3cret-probe", "wrong")
+        assert wrong != server.url
+        assert probe.probe(make_master(wrong, NODE_TIMEOUT)) is False
+        # No password configured: PING gets -NOAUTH, not PONG.
+        bare = f"redis://127.0.0.1:{server.port}/0"
+        assert probe.probe(make_master(bare, NODE_TIMEOUT)) is False
