@@ -38,6 +38,7 @@ from benchmarks.common import (
     Report,
     Run,
     arguments,
+    busy_processes,
     interleave,
     median,
     num,
@@ -171,13 +172,37 @@ def _cpu_table(contenders: list[Contender], results: dict[str, list[Run]]) -> li
     ]
 
 
+def _busy_line(n: int) -> str:
+    return (
+        f"Beside {n} busy processes (a Python loop each), started after the masters and "
+        "stopped after the last round."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__.splitlines()[0], rounds=8, seconds=0.6)
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy processes beside the benchmark (one per core: a loaded worker "
+        "host); saved as lock-busy.txt",
+    )
     args = parser.parse_args(argv)
-    report = Report("lock", "acquire+release throughput and latency (issue 2)")
+    if args.busy < 0:
+        parser.error(f"--busy must be 0 or more, got {args.busy}")
+    if args.busy:
+        report = Report(
+            "lock-busy",
+            f"acquire+release throughput and latency beside {args.busy} busy processes "
+            "(issues 2 and 17)",
+        )
+    else:
+        report = Report("lock", "acquire+release throughput and latency (issue 2)")
     logs = LogCounter()
     progress("starting 5 redis-server masters ...")
-    with start_masters(5) as masters:
+    with start_masters(5) as masters, busy_processes(args.busy):
         urls = masters.urls
         contenders = [
             redis_py(urls[0]),
@@ -221,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} interleaved rounds x {args.seconds:g} s per contender; medians over "
         "rounds; ratio = median of per-round ratios of cycles/s.",
         "Same key per contender (each cycle releases it); non-blocking acquire; TTL 10 s.",
+        *([_busy_line(args.busy)] if args.busy else []),
         "",
         *table(
             [

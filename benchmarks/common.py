@@ -17,14 +17,15 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from celery_redlock.testing import find_redis_server, redis_server_version
+from celery_redlock.testing import _preexec, find_redis_server, redis_server_version
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
@@ -149,6 +150,25 @@ def percentile(values: Sequence[int | float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, round(q / 100 * len(ordered) + 0.5 - 1e-9))
     return float(ordered[min(rank, len(ordered)) - 1])
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """Run ``n`` processes that spin in a Python loop (the load of a worker host whose
+    cores run task bodies) for the duration of the block; killed and reaped after it."""
+    # They die with this process even when it is killed (PR_SET_PDEATHSIG, as the
+    # test servers): an orphaned busy loop would load the machine for ever.
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_preexec())
+        for _ in range(n)
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def cpu_seconds(pid: int) -> float:
