@@ -26,7 +26,6 @@ from typing import Any
 
 from kombu.serialization import dumps, loads
 
-from .exceptions import QuorumUnavailable
 from .keys import MAX_KEY_LENGTH
 from .lock import Redlock
 from .redact import guard
@@ -136,37 +135,6 @@ def decode_call_options(value: object) -> dict[str, Any]:
 def force_delete(redlock: Redlock, names: Iterable[str]) -> list[str]:
     """Delete the Redis keys ``names`` on every master; return those deleted somewhere.
 
-    An operator's tool: no ownership check. Masters that cannot be reached are logged
-    (their copy expires with its TTL); :class:`QuorumUnavailable` when none answered.
+    An operator's tool: no ownership check (see :meth:`Redlock.force_delete`).
     """
-    names = list(names)
-    deleted: set[str] = set()
-    errors: dict[str, str] = {}
-    for master in redlock.masters:
-        client = master.client()
-        try:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.delete(name)
-            for name, count in zip(names, pipe.execute(), strict=True):
-                if count:
-                    deleted.add(name)
-        except Exception as exc:  # noqa: BLE001 - reported below, per master
-            errors[master.name] = f"{type(exc).__name__}: {exc}"
-        finally:
-            client.close()
-            client.connection_pool.disconnect()
-    if errors:
-        if len(errors) == len(redlock.masters):
-            raise QuorumUnavailable(
-                f"no master answered the deletion of {', '.join(names)}",
-                names[0] if names else None,
-                redlock.master_names,
-                errors,
-            )
-        logger.warning(
-            "deleted %s on the masters that answered; not reached: %s",
-            ", ".join(names),
-            "; ".join(f"{m}: {e}" for m, e in errors.items()),
-        )
-    return sorted(deleted)
+    return redlock.force_delete(names)

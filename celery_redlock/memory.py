@@ -1,10 +1,11 @@
 """An in-process lock backend for unit tests: ``redlock_backend = "memory"``.
 
-:class:`MemoryRedlock` answers every operation the Celery layer uses (acquire, extend,
-release, claim, unclaim, locked, fence, release_owned_by) from a dictionary in this
-process, with the semantics of the Redis backend: TTLs on the monotonic clock, locks not
-re-entrant, claims held by one value, fence tokens that only increase. No Redis is needed,
-so eager tasks (``task_always_eager``) and in-process test workers run without masters.
+:class:`MemoryRedlock` answers every operation the Celery layer and the operator calls
+use (acquire, extend, release, claim, unclaim, locked, fence, holder, owned_by,
+release_token, release_owned_by, force_delete) from a dictionary in this process, with
+the semantics of the Redis backend: TTLs on the monotonic clock, locks not re-entrant,
+claims held by one value, fence tokens that only increase. No Redis is needed, so eager
+tasks (``task_always_eager``) and in-process test workers run without masters.
 
 It is not shared between processes: two ``celery worker`` processes (or two prefork pool
 children, each with its own copy) would each see their own locks and run the same key at
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from .exceptions import ImproperlyConfigured, LockContended, LockLost
@@ -112,7 +113,7 @@ class MemoryRedlock(Redlock):
     ) -> Lease:
         """:meth:`Redlock.acquire`, in this process (same arguments, same errors)."""
         checked = self._acquire_arguments(
-            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion
+            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion, auto_renew
         )
         ttl, blocking_timeout, max_hold = checked.ttl, checked.blocking_timeout, checked.max_hold
         name = self.lock_key(key)
@@ -198,6 +199,49 @@ class MemoryRedlock(Redlock):
             if token is None or self._meta.get(f"{name}:meta", {}).get(field) != value:
                 return False
             return self._delete_if(name, token)
+
+    def holder(self, key: str, fields: Sequence[str]) -> tuple[str, dict[str, str]] | None:
+        """:meth:`Redlock.holder`, in this process (a field not stored reads ``""``)."""
+        if not fields:
+            raise ValueError("holder: name at least one metadata field")
+        name = self.lock_key(key)
+        with self._mutex:
+            token = self._get(name)
+            if token is None:
+                return None
+            meta = self._meta.get(f"{name}:meta", {})
+            return token, {field: meta.get(field, "") for field in fields}
+
+    def release_token(self, key: str, token: str) -> bool:
+        """:meth:`Redlock.release_token`, in this process."""
+        with self._mutex:
+            return self._delete_if(self.lock_key(key), token)
+
+    def owned_by(self, key: str, field: str, value: str) -> bool:
+        """:meth:`Redlock.owned_by`, in this process."""
+        name = self.lock_key(key)
+        with self._mutex:
+            return (
+                self._get(name) is not None
+                and self._meta.get(f"{name}:meta", {}).get(field) == value
+            )
+
+    def force_delete(self, names: Iterable[str]) -> list[str]:
+        """:meth:`Redlock.force_delete`, in this process: the names that existed (a lock's
+        metadata exists while its lock does, when it has fields), all deleted."""
+        with self._mutex:
+            present = {name for name in names if self._exists(name)}
+            for name in present:
+                self._values.pop(name, None)
+                self._meta.pop(name, None)
+        return sorted(present)
+
+    def _exists(self, name: str) -> bool:
+        # Under _mutex.
+        if self._get(name) is not None:
+            return True
+        lock = name.removesuffix(":meta")
+        return lock != name and bool(self._meta.get(name)) and self._get(lock) is not None
 
     # -- claims ----------------------------------------------------------------------
 

@@ -19,7 +19,9 @@ The settings are plain dicts, so they fit any app factory (pytest-celery's, your
   :mod:`celery_redlock.testing` (a :class:`~celery_redlock.testing.Masters`), stopped at
   the end of the session.
 * ``redlock_app_config``: ``{"redlock_redis_urls": [...]}`` for those masters, emptied
-  before the test; the cached settings and clients are reset after it.
+  before the test (restarted if a test killed one, and what this process knew of their
+  identities forgotten, so that a restarted one is not kept out of the quorum); the
+  cached settings and clients are reset after it.
 * ``redlock_memory_config``: ``{"redlock_backend": "memory"}``; caches reset after the test.
 
 This module imports nothing heavy at load time: pytest loads it in every run of a virtualenv
@@ -62,6 +64,8 @@ def redlock_masters() -> Iterator[Masters]:
 @pytest.fixture
 def redlock_app_config(redlock_masters: Masters) -> Iterator[dict[str, Any]]:
     """celery-redlock settings for ``redlock_masters``, emptied before each test."""
+    from .lock.master import forget_restarts
+
     for server in redlock_masters:
         if server.paused:
             server.resume()  # a test paused it
@@ -69,6 +73,10 @@ def redlock_app_config(redlock_masters: Masters) -> Iterator[dict[str, Any]]:
             server.start()  # a test killed it
         with server.client() as conn:
             conn.flushall()
+    # A server a test killed is back with a new identity: this process would take it for
+    # a restarted master and keep it out of every quorum for the longest TTL granted so
+    # far. The masters were just emptied, so no lock it could have forgotten exists.
+    forget_restarts()
     _reset()
     yield {"redlock_redis_urls": list(redlock_masters.urls)}
     _reset()

@@ -37,6 +37,7 @@ from .backoff import Backoff, parse_backoff
 from .exceptions import ImproperlyConfigured
 from .keys import KeyBuilder, compile_lock_key, validate_prefix
 from .lock import limits
+from .lock.master import client_identity, sentinel_identity
 from .redact import guard, mask_url, remember_secrets_of, scrub
 
 logger = guard(logging.getLogger("celery_redlock.settings"))  # see celery_redlock.redact
@@ -373,7 +374,7 @@ def _check_mapping(spec: Mapping[str, Any]) -> tuple[object, ...]:
         if not isinstance(service, str) or not service:
             raise _RejectedError(f"Sentinel spec {shown}: 'service_name' must be a non-empty str")
         allowed = _CLIENT_ARGS | _SENTINEL_ARGS
-        identity: tuple[object, ...] = ("sentinel", service, spec.get("db", 0))
+        identity: tuple[object, ...] = sentinel_identity(sentinels, service, spec.get("db", 0))
     else:
         allowed = _CLIENT_ARGS
         if spec.get("unix_socket_path"):
@@ -392,11 +393,7 @@ def _check_mapping(spec: Mapping[str, Any]) -> tuple[object, ...]:
 
 
 def _check_client(spec: redis.Redis) -> tuple[object, ...]:
-    kwargs = spec.connection_pool.connection_kwargs
-    if kwargs.get("path"):
-        return ("unix", kwargs["path"], kwargs.get("db", 0))
-    host = str(kwargs.get("host", "localhost")).lower()
-    return ("tcp", host, kwargs.get("port", 6379), kwargs.get("db", 0))
+    return client_identity(spec)
 
 
 def _masters(value: object) -> tuple[MasterSpec, ...]:
@@ -569,6 +566,21 @@ def _node_timeout_fits(node_timeout: float, ttl: float) -> bool:
     return node_timeout < ttl / 3
 
 
+def _renewal_limit(ttl: float, node_timeout: float, clock_drift_factor: float) -> float:
+    """The longest ``renew_every`` whose renewal round still ends within the validity of a
+    lease of ``ttl`` (``ttl`` less its drift allowance): ``renew_every`` must stay below it,
+    or every lease is lost at its first renewal while its key lives on."""
+    return ttl - limits.drift(ttl, clock_drift_factor) - node_timeout
+
+
+def _renewal_text(ttl: float, node_timeout: float, clock_drift_factor: float) -> str:
+    return (
+        f"< {_renewal_limit(ttl, node_timeout, clock_drift_factor):g}: ttl {ttl:g} less its "
+        f"clock drift allowance ({limits.drift(ttl, clock_drift_factor):g}) less node_timeout "
+        f"({node_timeout:g})"
+    )
+
+
 def check_values(
     values: Mapping[str, object], *, broker_url: object = None
 ) -> tuple[RedlockSettings | None, list[SettingProblem]]:
@@ -625,13 +637,18 @@ def check_values(
                 f"must be well below {_label(ttl_name)}: less than a third of it "
                 f"(< {ttl / 3:g}); got node_timeout={timeout:g}, {ttl_name}={ttl:g}",
             )
-    renew, ttl = clean.get("renew_every"), clean.get("ttl")
-    if renew is not None and ttl is not None and timeout is not None and renew + timeout >= ttl:
+    renew, ttl, drift = clean.get("renew_every"), clean.get("ttl"), clean.get("clock_drift_factor")
+    if (
+        renew is not None
+        and ttl is not None
+        and timeout is not None
+        and drift is not None
+        and renew >= _renewal_limit(ttl, timeout, drift)
+    ):
         conflict(
             "renew_every",
-            f"plus node_timeout must stay below {_label('ttl')}, so that a renewal lands "
-            f"before the key expires (< {ttl - timeout:g}); got renew_every={renew:g}, "
-            f"ttl={ttl:g}",
+            f"must leave a renewal time to land within the lease's validity "
+            f"({_renewal_text(ttl, timeout, drift)}); got renew_every={renew:g}, ttl={ttl:g}",
         )
     if problems:
         # Belt and braces: no message shows a password of the masters given, whatever
@@ -973,12 +990,14 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
                 f"task {task_name!r}: option lock_ttl ({ttl:g}) must be more than three times "
                 f"{_label('node_timeout')} ({settings.node_timeout:g})"
             )
-        elif (
-            settings.renew_every is not None and settings.renew_every + settings.node_timeout >= ttl
+        elif settings.renew_every is not None and settings.renew_every >= _renewal_limit(
+            ttl, settings.node_timeout, settings.clock_drift_factor
         ):
             messages.append(
-                f"task {task_name!r}: option lock_ttl ({ttl:g}) must exceed {_label('renew_every')}"
-                f" plus node_timeout ({settings.renew_every + settings.node_timeout:g})"
+                f"task {task_name!r}: option lock_ttl ({ttl:g}) leaves no time for a renewal "
+                f"every {_label('renew_every')} ({settings.renew_every:g}) to land within the "
+                f"lease's validity (renew_every must be "
+                f"{_renewal_text(ttl, settings.node_timeout, settings.clock_drift_factor)})"
             )
     build_key: KeyBuilder | None = None
     try:
@@ -1062,12 +1081,14 @@ def validate_call_options(
     elif (
         ttl is not None
         and settings.renew_every is not None
-        and settings.renew_every + settings.node_timeout >= ttl
+        and settings.renew_every
+        >= _renewal_limit(ttl, settings.node_timeout, settings.clock_drift_factor)
     ):
         messages.append(
-            f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) must exceed "
-            f"{_label('renew_every')} plus node_timeout "
-            f"({settings.renew_every + settings.node_timeout:g})"
+            f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) leaves no time for a "
+            f"renewal every {_label('renew_every')} ({settings.renew_every:g}) to land within "
+            f"the lease's validity (renew_every must be "
+            f"{_renewal_text(ttl, settings.node_timeout, settings.clock_drift_factor)})"
         )
     if messages:
         problems = [SettingProblem(task_name, "invalid", m) for m in messages]

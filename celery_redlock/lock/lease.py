@@ -317,8 +317,11 @@ class Lease:
             self._deadline = validity_end
             if ttl is not None and ttl != self.ttl:
                 self.ttl = ttl
-                if self._renew_every_default or self.renew_every >= ttl:
-                    self.renew_every = ttl / 3
+                # A renew_every given for a longer TTL may not fit this one's validity: a
+                # renewal due after it would always come too late (the lease lost while
+                # its key lives on).
+                if self._renew_every_default or self.renew_every >= ttl - self.redlock._drift(ttl):
+                    self.renew_every = self.redlock._default_renew_every(ttl)
             return True
 
     def _lose(self, reason: str) -> bool:

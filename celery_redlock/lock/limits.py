@@ -15,6 +15,7 @@ from typing import Final
 
 __all__ = [
     "DAY",
+    "DRIFT_FLOOR",
     "MAX_BLOCKING_TIMEOUT",
     "MAX_CLAIM_TTL",
     "MAX_DEDUPE_TTL",
@@ -28,6 +29,7 @@ __all__ = [
     "MIN_NODE_TIMEOUT",
     "MIN_RENEW_EVERY",
     "MIN_TTL",
+    "drift",
     "seconds",
     "show",
 ]
@@ -58,6 +60,15 @@ MAX_QUARANTINE: Final = 7 * DAY
 MAX_SPIN_WAIT: Final = 1.0
 #: ``clock_drift_factor`` is in [0, MAX_DRIFT).
 MAX_DRIFT: Final = 0.5
+#: The fixed part of a lease's clock drift allowance (see :func:`drift`).
+DRIFT_FLOOR: Final = 0.002
+
+
+def drift(ttl: float, clock_drift_factor: float) -> float:
+    """What a lease of ``ttl`` seconds loses to clock drift: ``ttl * clock_drift_factor``
+    plus 2 ms. Its validity is ``ttl`` less this, less the time its round took, and a
+    renewal must land within it (``renew_every`` below ``ttl - drift``)."""
+    return ttl * clock_drift_factor + DRIFT_FLOOR
 
 
 def show(number: float) -> str:

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -108,6 +108,22 @@ def note_granted_ttl(ttl: float) -> None:
 def longest_granted_ttl() -> float:
     """The longest TTL granted in this process so far (0.0 before the first grant)."""
     return _longest_granted
+
+
+def forget_restarts() -> None:
+    """Forget every master identity (run_id), restart and granted TTL this process saw.
+
+    For a test harness that has just emptied or replaced all its masters (``FLUSHALL``,
+    fresh servers on reused ports): no lock granted before can be on them, so keeping a
+    restarted one out of the quorum protects nothing, and would fail every acquire of the
+    next test for the longest TTL granted so far. Never for production masters.
+    """
+    global _longest_granted
+    with _known_lock:
+        _known_run_ids.clear()
+        _restarted_at.clear()
+        _restarted_run_ids.clear()
+        _longest_granted = 0.0
 
 
 class DuplicateMaster(ConnectionError):
@@ -538,7 +554,9 @@ def make_master(spec: MasterSpec, node_timeout: float) -> Master:
     if isinstance(spec, redis.Redis):
         pool = spec.connection_pool
         name = _describe_pool(pool)
-        return Master(name, pool.connection_class, pool.connection_kwargs, node_timeout)
+        return Master(
+            name, pool.connection_class, pool.connection_kwargs, node_timeout, client_identity(spec)
+        )
     if isinstance(spec, Mapping):
         if "sentinels" in spec:
             return _sentinel_master(spec, node_timeout)
@@ -586,8 +604,35 @@ def _sentinel_master(spec: Mapping[str, Any], node_timeout: float) -> Master:
     pool = client.connection_pool
     hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
     name = f"sentinel://{hosts}/{service}"
-    identity = ("sentinel", frozenset(sentinels), service)
+    identity = sentinel_identity(sentinels, service, kwargs.get("db", 0))
     return Master(name, pool.connection_class, pool.connection_kwargs, node_timeout, identity)
+
+
+def sentinel_identity(
+    sentinels: Iterable[Sequence[object]], service: str, db: object
+) -> tuple[object, ...]:
+    """What a Sentinel-monitored master is known by before it is reached: its sentinels
+    (a set, host names in lower case), its service name and its database. Two deployments
+    may both call their master ``mymaster``; the same one listed twice, with its sentinels
+    in any order, is refused."""
+    addresses = frozenset((str(host).lower(), port) for host, port in sentinels)
+    return ("sentinel", addresses, service, db or 0)
+
+
+def client_identity(client: redis.Redis) -> tuple[object, ...]:
+    """What a ``redis.Redis`` client's server is known by before it is reached; for one
+    from ``Sentinel.master_for()`` (a pool with no host of its own), its sentinels and
+    service (see :func:`sentinel_identity`)."""
+    pool = client.connection_pool
+    service = getattr(pool, "service_name", None)
+    manager = getattr(pool, "sentinel_manager", None)
+    if service and manager is not None:
+        addresses = []
+        for sentinel in getattr(manager, "sentinels", ()):
+            kwargs = sentinel.connection_pool.connection_kwargs
+            addresses.append((kwargs.get("host") or "localhost", kwargs.get("port") or 26379))
+        return sentinel_identity(addresses, service, pool.connection_kwargs.get("db", 0))
+    return _server_identity(pool.connection_kwargs)
 
 
 def _server_identity(kwargs: Mapping[str, Any]) -> tuple[object, ...]:

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import NamedTuple, cast
 
 from ..backoff import full_jitter
@@ -222,10 +222,11 @@ class Redlock:
         Ranges (``ValueError`` naming the argument otherwise; NaN and infinities are
         refused everywhere): ``ttl`` in (``node_timeout``, 86400]; ``blocking_timeout``
         None or in [0, 7 days]; ``max_hold`` None or in (0, 30 days]; ``renew_every`` in
-        [0.01, ``ttl``).
+        [0.01, ``ttl``) and below the lease's validity, ``ttl - (ttl * clock_drift_factor
+        + 0.002)``.
         """
         checked = self._acquire_arguments(
-            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion
+            key, ttl, blocking_timeout, max_hold, renew_every, meta, clear_companion, auto_renew
         )
         ttl, blocking_timeout, max_hold = checked.ttl, checked.blocking_timeout, checked.max_hold
         companion = ("dedupe", "") if clear_companion is None else clear_companion
@@ -270,6 +271,7 @@ class Redlock:
         renew_every: float | None,
         meta: Mapping[str, str] | None,
         clear_companion: tuple[str, str] | None,
+        auto_renew: bool = False,
     ) -> AcquireArguments:
         """Check :meth:`acquire`'s arguments and fill in its defaults.
 
@@ -288,11 +290,21 @@ class Redlock:
         if max_hold is not None:
             max_hold = limits.seconds("max_hold", max_hold, 0.0, limits.MAX_HOLD, low_open=True)
         renew_every_default = renew_every is None
+        # A renewal due after the lease's validity ended always comes too late: the lease
+        # is lost at its first renewal, while the key may live on, and another holder
+        # takes it when it expires, with the body still running.
+        validity = ttl - self._drift(ttl)
         if renew_every is None:
-            renew_every = max(ttl / 3, limits.MIN_RENEW_EVERY)
+            renew_every = self._default_renew_every(ttl)
         else:
             renew_every = limits.seconds(
                 "renew_every", renew_every, limits.MIN_RENEW_EVERY, ttl, high_open=True
+            )
+        if renew_every >= validity and (auto_renew or not renew_every_default):
+            raise ValueError(
+                f"renew_every ({renew_every:g}s) must be shorter than the lease's validity: "
+                f"ttl less its clock drift allowance (ttl * clock_drift_factor + "
+                f"{limits.DRIFT_FLOOR * 1000:g} ms), {validity:g}s for ttl {ttl:g}s"
             )
         if clear_companion is not None:
             self._check_companion(clear_companion)
@@ -437,6 +449,45 @@ class Redlock:
             result = self._round(lane, [payload] * len(self.masters))
         self._note_unreached(result)
         return sum(1 for x in result.replies if x is not None and x[0] == 1) >= self.quorum
+
+    def force_delete(self, names: Iterable[str]) -> list[str]:
+        """Delete the Redis keys ``names`` on every master; return those deleted somewhere.
+
+        An operator's tool (``clear_lock``, ``clear_dedupe``): no ownership check. Masters
+        that cannot be reached are logged (their copy expires with its TTL);
+        :class:`QuorumUnavailable` when none answered.
+        """
+        names = list(names)
+        deleted: set[str] = set()
+        errors: dict[str, str] = {}
+        for master in self.masters:
+            client = master.client()
+            try:
+                pipe = client.pipeline(transaction=False)
+                for name in names:
+                    pipe.delete(name)
+                for name, count in zip(names, pipe.execute(), strict=True):
+                    if count:
+                        deleted.add(name)
+            except Exception as exc:  # noqa: BLE001 - reported below, per master
+                errors[master.name] = f"{type(exc).__name__}: {exc}"
+            finally:
+                client.close()
+                client.connection_pool.disconnect()
+        if errors:
+            if len(errors) == len(self.masters):
+                raise QuorumUnavailable(
+                    f"no master answered the deletion of {', '.join(names)}",
+                    names[0] if names else None,
+                    self.master_names,
+                    errors,
+                )
+            logger.warning(
+                "deleted %s on the masters that answered; not reached: %s",
+                ", ".join(names),
+                "; ".join(f"{m}: {e}" for m, e in errors.items()),
+            )
+        return sorted(deleted)
 
     def claim(
         self,
@@ -733,7 +784,13 @@ class Redlock:
             lane.lock.release()
 
     def _drift(self, ttl: float) -> float:
-        return ttl * self.clock_drift_factor + 0.002
+        return limits.drift(ttl, self.clock_drift_factor)
+
+    def _default_renew_every(self, ttl: float) -> float:
+        """``renew_every`` when not given: a third of ``ttl``, and never more than half
+        the lease's validity (which binds only for a ``clock_drift_factor`` above about a
+        third, or a TTL of a few ms)."""
+        return max(min(ttl / 3, (ttl - self._drift(ttl)) / 2), limits.MIN_RENEW_EVERY)
 
     def _quarantined(self, now: float) -> set[int]:
         out: set[int] = set()

@@ -64,11 +64,7 @@ def _fresh_master_identities() -> None:
     so that every test starts as a fresh deployment."""
     from celery_redlock.lock import master
 
-    with master._known_lock:
-        master._known_run_ids.clear()
-        master._restarted_at.clear()
-        master._restarted_run_ids.clear()
-        master._longest_granted = 0.0
+    master.forget_restarts()
 
 
 @pytest.fixture

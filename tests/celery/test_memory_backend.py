@@ -271,3 +271,52 @@ def test_bad_backend_value_is_refused() -> None:
         redlock_for(app)
     reset_settings()
     app.close()
+
+
+def test_clear_lock_and_clear_dedupe_delete_on_the_memory_backend() -> None:
+    """Review r10: both returned ``[]`` and left the lock and the marker in place (they
+    looped over the Redis masters, of which the memory backend has none): the next
+    identical publish was folded into a job that would never run."""
+    app = memory_app()
+    try:
+
+        @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
+        def job(n: int) -> int:
+            return n
+
+        rl = redlock_for(app)
+        lease = rl.acquire("acct:1", 30, meta={"task_id": "running"})
+        assert job.clear_lock(1) == ["redlock:{acct:1}", "redlock:{acct:1}:meta"]
+        assert not rl.locked("acct:1")
+        assert not lease.owned()
+        rl.claim("acct:2", job.dedupe_suffix(), "queued-id", 3600)
+        assert job.clear_dedupe(2) == [f"redlock:{{acct:2}}:{job.dedupe_suffix()}"]
+        assert job.delay(2).id != "queued-id"  # published, not folded into the old marker
+        assert job.clear_lock(3) == []  # nothing there
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()
+
+
+def test_the_holder_reads_of_revoke_and_killed_child_release_work_on_the_memory_backend() -> None:
+    """Review r10: ``holder``, ``owned_by`` and ``release_token`` (revoke, a killed pool
+    child's release, the acks_late own-run check) raised AttributeError here."""
+    app = memory_app()
+    try:
+        rl = redlock_for(app)
+        lease = rl.acquire("acct:1", 30, meta={"task_id": "t1", "host": "w1"})
+        assert rl.holder("acct:1", ("task_id", "host")) == (
+            lease.token,
+            {"task_id": "t1", "host": "w1"},
+        )
+        assert rl.owned_by("acct:1", "task_id", "t1")
+        assert not rl.owned_by("acct:1", "task_id", "t2")
+        assert not rl.release_token("acct:1", "not-the-token")
+        assert rl.release_token("acct:1", lease.token)
+        assert rl.holder("acct:1", ("task_id",)) is None
+        assert not rl.owned_by("acct:1", "task_id", "t1")
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()

@@ -466,6 +466,23 @@ def test_a_master_listed_twice_is_refused() -> None:
     assert len(Redlock(["redis://r1:6379/0", "redis://r1:6380/0"]).masters) == 2
 
 
+def test_sentinel_masters_are_told_apart_by_their_sentinels() -> None:
+    """Review r10: ``Sentinel.master_for()`` clients of distinct deployments were all taken
+    for localhost:6379 (their pool has no host) and refused as one master."""
+    from redis.sentinel import Sentinel
+
+    clients = [Sentinel([(host, 26379)]).master_for("mymaster") for host in ("s1", "s2", "s3")]
+    assert len(Redlock(clients).masters) == 3
+    assert len(Redlock([clients[0], "redis://localhost:6379/0"]).masters) == 2
+    with pytest.raises(ImproperlyConfigured, match=r"#1 and #2 are the same master"):
+        Redlock([Sentinel([("S1", 26379)]).master_for("mymaster"), clients[0]])
+    spec = {"sentinels": [("s1", 26379), ("s2", 26379)], "service_name": "mymaster"}
+    shuffled = {"sentinels": [("S2", 26379), ("s1", 26379)], "service_name": "mymaster"}
+    with pytest.raises(ImproperlyConfigured, match=r"#1 and #2 are the same master"):
+        Redlock([spec, shuffled])
+    assert len(Redlock([spec, {**spec, "db": 1}]).masters) == 2
+
+
 def test_bad_arguments_raise_before_any_round() -> None:
     rl = Redlock(["redis://127.0.0.1:1/0"], node_timeout=0.25)  # nothing listens there
     with pytest.raises(ValueError, match="node_timeout"):

@@ -247,6 +247,40 @@ def test_a_failed_shorter_extend_brings_the_next_renewal_forward(masters: Master
     lease.release()
 
 
+def test_a_renewal_period_past_the_validity_is_refused() -> None:
+    """Review r10: ``renew_every`` below ``ttl`` but past the lease's validity (``ttl``
+    less its drift allowance) was accepted; every such lease was lost at its first renewal
+    while its key lived on. No round is needed to refuse it."""
+    rl = Redlock(["redis://127.0.0.1:1/0"], node_timeout=0.25)  # nothing listens there
+    with pytest.raises(ValueError, match=r"renew_every \(9.95s\) must be shorter than the lease's"):
+        rl.acquire("k", 10, renew_every=9.95)  # validity 10 - 0.102 = 9.898 s
+    drifty = Redlock(["redis://127.0.0.1:1/0"], node_timeout=0.01, clock_drift_factor=0.45)
+    with pytest.raises(ValueError, match="renew_every"):
+        drifty.acquire("k", 1, renew_every=0.6)  # validity 0.548 s
+    # The default is a third of the TTL, and half the validity where that is less.
+    assert rl._default_renew_every(10) == pytest.approx(10 / 3)
+    assert drifty._default_renew_every(1) == pytest.approx((1 - 0.452) / 2)
+    # A lease too short to renew in time (validity 9 ms, renewals 10 ms apart at least)
+    # may still be taken, but not renewed.
+    with pytest.raises(ValueError, match="renew_every"):
+        drifty.acquire("k", 0.02, auto_renew=True)
+
+
+def test_extend_to_a_shorter_ttl_brings_a_given_renewal_period_within_its_validity(
+    masters: Masters,
+) -> None:
+    """Review r10: a renew_every given for a longer TTL was kept after extend(ttl) unless
+    it reached the new TTL, so one just below it renewed after the validity ended."""
+    rl = make_redlock(masters)
+    lease = rl.acquire("shrink", 30, auto_renew=True, renew_every=5.99)
+    try:
+        lease.extend(6)  # validity 6 - 0.062 = 5.938 s: a renewal every 5.99 s comes late
+        assert lease.renew_every < 6 - rl._drift(6)
+        assert lease.renew_every == pytest.approx(2)
+    finally:
+        lease.release()
+
+
 def test_extend_in_a_forked_child_raises_instead_of_hanging(masters: Masters) -> None:
     rl = make_redlock(masters)
     lease = rl.acquire("forked-extend", 10)

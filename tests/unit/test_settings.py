@@ -24,6 +24,7 @@ from celery_redlock.settings import (
     mask_url,
     reset_settings,
     settings_from_conf,
+    validate_call_options,
     validate_task_options,
 )
 
@@ -270,7 +271,10 @@ def test_node_timeout_must_be_well_below_the_beat_lease() -> None:
 def test_renewal_must_land_before_the_key_expires() -> None:
     message = error_of(redlock_ttl=10, redlock_renew_every=10)
     assert "redlock_renew_every (Django: CELERY_REDLOCK_RENEW_EVERY)" in message
-    assert "(< 9.75)" in message
+    assert (
+        "(< 9.648: ttl 10 less its clock drift allowance (0.102) less node_timeout (0.25))"
+        in message
+    )
     get_settings(make_app(redlock_ttl=10, redlock_renew_every=9))
 
 
@@ -310,6 +314,33 @@ def test_a_master_listed_twice_is_refused() -> None:
     message = error_of(redlock_redis_urls=["redis://r1:6379/0", "redis://r2", "redis://R1/0"])
     assert "lists the same master twice (#1 and #3" in message
     assert "breaks the quorum" in message
+
+
+def _sentinel(*hosts: str, service: str = "mymaster", db: int = 0) -> dict[str, Any]:
+    return {"sentinels": [(host, 26379) for host in hosts], "service_name": service, "db": db}
+
+
+def test_sentinel_masters_are_told_apart_by_their_sentinels() -> None:
+    """Review r10: a Sentinel spec was known by its service name alone, and a
+    ``Sentinel.master_for()`` client by a host it does not have (localhost:6379), so three
+    independent deployments that all call their master ``mymaster`` were refused as one
+    master listed three times: the worker could not start."""
+    from redis.sentinel import Sentinel
+
+    specs = [_sentinel("dc1-a", "dc1-b"), _sentinel("dc2-a", "dc2-b"), _sentinel("dc3-a")]
+    assert len(get_settings(make_app(redlock_redis_urls=specs)).redis_urls) == 3
+    clients = [Sentinel([(host, 26379)]).master_for("mymaster") for host in ("s1", "s2", "s3")]
+    assert len(get_settings(make_app(redlock_redis_urls=clients)).redis_urls) == 3
+    mixed = [clients[0], "redis://localhost:6379/0", "redis://r2"]  # no clash with localhost
+    assert len(get_settings(make_app(redlock_redis_urls=mixed)).redis_urls) == 3
+    # The same deployment twice (sentinels in another order and case) is still refused,
+    # as a spec and as clients; another db of it is another master.
+    twice = [_sentinel("dc1-a", "dc1-b"), "redis://r2", _sentinel("DC1-B", "dc1-a")]
+    assert "lists the same master twice (#1 and #3" in error_of(redlock_redis_urls=twice)
+    again = [Sentinel([("s1", 26379)]).master_for("mymaster"), clients[0], "redis://r2"]
+    assert "lists the same master twice (#1 and #2" in error_of(redlock_redis_urls=again)
+    other_db = [_sentinel("dc1-a"), _sentinel("dc1-a", db=1), "redis://r2"]
+    assert len(get_settings(make_app(redlock_redis_urls=other_db)).redis_urls) == 3
 
 
 def test_passwords_never_appear_in_errors() -> None:
@@ -503,8 +534,50 @@ def test_lock_ttl_must_leave_room_for_the_node_timeout() -> None:
 
 def test_lock_ttl_must_leave_room_for_an_explicit_renewal_period() -> None:
     app = make_app(redlock_renew_every=10)
-    with pytest.raises(ImproperlyConfigured, match=r"must exceed redlock_renew_every"):
+    with pytest.raises(ImproperlyConfigured, match=r"leaves no time for a renewal every"):
         validate_task_options(task_of(app, lock_ttl=5), get_settings(app))
+
+
+@pytest.mark.parametrize(
+    ("ttl", "renew_every", "node_timeout", "drift"),
+    [
+        (30, 29.75, 0.2, 0.01),  # the default drift: validity 29.698 s
+        (3, 2.5, 0.25, 0.3),  # a large drift: validity 2.098 s
+    ],
+)
+def test_renew_every_must_land_within_the_validity_not_only_the_ttl(
+    ttl: float, renew_every: float, node_timeout: float, drift: float
+) -> None:
+    """Review r10: renew_every + node_timeout < ttl was accepted, but a lease's validity
+    ends at ttl - (ttl * clock_drift_factor + 2 ms): every lease was lost at its first
+    renewal while its key lived on, and a second job of the key ran beside the first."""
+    conf = {
+        "redlock_ttl": ttl,
+        "redlock_renew_every": renew_every,
+        "redlock_node_timeout": node_timeout,
+        "redlock_clock_drift_factor": drift,
+    }
+    message = error_of(redlock_redis_urls=THREE, **conf)
+    assert "redlock_renew_every (Django: CELERY_REDLOCK_RENEW_EVERY)" in message
+    assert "within the lease's validity" in message
+    assert "clock drift allowance" in message
+    # The same gap through a task's lock_ttl and a publish's redlock={"lock_ttl": ...}.
+    app = make_app(
+        redlock_redis_urls=THREE,
+        redlock_ttl=100,  # fits; the task's and the publish's lock_ttl do not
+        redlock_renew_every=renew_every,
+        redlock_node_timeout=node_timeout,
+        redlock_clock_drift_factor=drift,
+    )
+    settings = get_settings(app)
+    with pytest.raises(ImproperlyConfigured, match=r"within the lease's validity"):
+        validate_task_options(task_of(app, lock_ttl=ttl), settings)
+    with pytest.raises(ImproperlyConfigured, match=r"within the lease's validity"):
+        validate_call_options({"lock_ttl": ttl}, "proj.sync", settings)
+    # A renewal that lands within the validity is fine.
+    limit = ttl - (ttl * drift + 0.002) - node_timeout
+    fitting = {**conf, "redlock_renew_every": limit * 0.99}
+    get_settings(make_app(redlock_redis_urls=THREE, **fitting))
 
 
 def test_misspelled_task_option_is_reported() -> None:
