@@ -55,7 +55,7 @@ import string
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from kombu.serialization import dumps, loads
 
@@ -135,7 +135,10 @@ class _Encoder:
         if isinstance(value, bool):
             return b"T" if value else b"F"
         if isinstance(value, (int, float, Decimal)):
-            return _number(value)
+            try:
+                return _number(value)
+            except _TooManyDigits as exc:
+                raise self.fail(path, value, str(exc)) from None
         if isinstance(value, str):
             return b"S" + _text(value)
         if isinstance(value, (bytes, bytearray)):
@@ -231,6 +234,17 @@ def _count(parts: Sequence[object]) -> bytes:
     return str(len(parts)).encode("ascii") + b":"
 
 
+#: The most integer digits a whole ``Decimal`` may have in a key (Python's own limit on
+#: int-to-str conversions): turning one into an int, so that it keys as the equal int does,
+#: takes quadratic time, and ``Decimal("1e1000000")`` (nine characters) would block every
+#: publish and run of the job for half a minute.
+MAX_INTEGRAL_DIGITS: Final = 4300
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
 def _number(value: int | float | Decimal) -> bytes:
     if isinstance(value, int):
         return _integer(value)
@@ -240,6 +254,10 @@ def _number(value: int | float | Decimal) -> bytes:
     if number.is_infinite():
         return b"X-inf;" if number < 0 else b"Xinf;"
     if number == number.to_integral_value():
+        if number.adjusted() >= MAX_INTEGRAL_DIGITS:
+            raise _TooManyDigits(
+                f"a whole number of {number.adjusted() + 1} digits (at most {MAX_INTEGRAL_DIGITS})"
+            )
         return _integer(int(number))
     sign, digits, exponent = number.as_tuple()
     assert isinstance(exponent, int)  # finite, checked above
@@ -313,12 +331,31 @@ def _bind(
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     result: dict[str, Any] = {}
+    extra: Mapping[str, Any] = {}
     for name, value in bound.arguments.items():
         if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            result.update(value)
+            extra = value
         else:
             result[name] = value
+    apart: dict[str, Any] = {}
+    for name, value in extra.items():
+        # A **kwargs entry named like a parameter (a positional-only one, or the *args
+        # one) is another argument than that parameter: render("a.html", template="A")
+        # and render("A") are two jobs. Such entries (and one named like the group, so
+        # that none can pass for it) key as a group of their own; the others as before,
+        # so keys of calls that never collided do not change.
+        if name in signature.parameters or name == _APART:
+            apart[name] = value
+        else:
+            result[name] = value
+    if apart:
+        result[_APART] = apart
     return result
+
+
+#: The name the default key gives the **kwargs entries that are not plain names of their
+#: own (see :func:`_bind`); no parameter or identifier can have it.
+_APART = "**"
 
 
 def _binder(
@@ -397,13 +434,63 @@ def _unknown_name(task_name: str, what: str, name: str, valid: list[str]) -> Imp
 _CONVERSIONS = (None, "r", "s", "a", "h")
 
 
+class _ShownSet(frozenset[Any]):
+    """A set that shows its items in a fixed order: a set's own text follows its hash order,
+    which differs between processes (``PYTHONHASHSEED``) and between a set and its
+    unpickled copy, so ``"tags:{tags}"`` gave the publisher and each worker another key."""
+
+    __slots__ = ("_display",)
+    _display: str
+
+    def __new__(cls, items: set[Any] | frozenset[Any]) -> _ShownSet:
+        self = super().__new__(cls, items)
+        body = ", ".join(sorted(repr(_shown(item)) for item in items))
+        if isinstance(items, frozenset):
+            self._display = f"frozenset({{{body}}})" if body else "frozenset()"
+        else:
+            self._display = f"{{{body}}}" if body else "set()"
+        return self
+
+    def __repr__(self) -> str:
+        return self._display
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(self._display, spec)
+
+
+def _shown(value: Any) -> Any:
+    """``value``, or an equal copy whose text does not depend on hash order: its sets, at
+    any depth in lists, tuples and dicts, become :class:`_ShownSet`. Values without sets
+    come back as they are (no copy)."""
+    if isinstance(value, (set, frozenset)) and not isinstance(value, _ShownSet):
+        return _ShownSet(value)
+    if type(value) in (list, tuple):
+        items = [_shown(item) for item in value]
+        if any(new is not old for new, old in zip(items, value, strict=True)):
+            return type(value)(items)
+    elif type(value) is dict:
+        pairs = [(_shown(k), _shown(v)) for k, v in value.items()]
+        old = value.items()
+        if any(k is not k0 or v is not v0 for (k, v), (k0, v0) in zip(pairs, old, strict=True)):
+            return dict(pairs)
+    return value
+
+
 class _KeyFormatter(string.Formatter):
     """``str.format`` plus the ``!h`` conversion: ``"user:{email!h}"`` puts a 16-hex-digit
     BLAKE2b digest of the value's canonical encoding in the key instead of the value, so a
-    template stays readable without writing personal data into Redis, logs and results."""
+    template stays readable without writing personal data into Redis, logs and results.
+    A field's value shows its sets in a fixed order (see :class:`_ShownSet`), also one
+    reached through attributes or items (``{order.tags}``)."""
 
     def __init__(self, task_name: str) -> None:
         self.task_name = task_name
+
+    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        value, used = super().get_field(field_name, args, kwargs)
+        return _shown(value), used
 
     def convert_field(self, value: Any, conversion: str | None) -> Any:
         if conversion == "h":
@@ -461,16 +548,24 @@ def _compile_template(template: str, signature: inspect.Signature, task_name: st
             raise _unknown_name(task_name, what, root, names)
 
     bind = _binder(signature)
-    # str.format_map is several times faster; the formatter only where !h asks for it.
-    hashed = "!h" in template
+    # str.format_map is several times faster; the formatter only where !h asks for it, or
+    # a field reaches into a value (whose part may be a set: see _ShownSet). Otherwise the
+    # fields' own values are made to show their sets in a fixed order.
+    roots = sorted({_field_root(field) for field in fields})
+    careful = "!h" in template or any(_field_root(field) != field for field in fields)
     formatter = _KeyFormatter(task_name)
 
     def build(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         arguments = bind(args, kwargs)
         try:
-            if hashed:
+            if careful:
                 key = formatter.vformat(template, (), arguments)
             else:
+                for root in roots:
+                    value = arguments.get(root)
+                    shown = _shown(value)
+                    if shown is not value:
+                        arguments = {**arguments, root: shown}
                 key = template.format_map(arguments)
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
             raise ImproperlyConfigured(

@@ -93,11 +93,14 @@ _WAIT_COUNTERS = frozenset({CONTENTION_HEADER, OUTAGE_HEADER, OWN_RUN_HEADER})
 _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "redlock_republishing", default=False
 )
-_RetryHook = Callable[[Sequence[Any], Mapping[str, Any], dict[str, Any]], None]
+_RetryHook = Callable[
+    [Sequence[Any], Mapping[str, Any], dict[str, Any]], "list[tuple[str, TaskOptions]]"
+]
 
 #: Set by ``retry()``: frees the running job's lock right before its retry is published,
 #: and only then (Celery may instead raise MaxRetriesExceededError, the body going on).
-#: Called with the retry's arguments and publish options.
+#: Called with the retry's arguments and publish options; returns the dedupe markers
+#: (key, options) that now stand for the retry, dropped if its publish fails.
 _before_republish: contextvars.ContextVar[_RetryHook | None] = contextvars.ContextVar(
     "redlock_before_republish", default=None
 )
@@ -407,9 +410,16 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
         if _republishing.get():
             release = _before_republish.get()
-            if release is not None:
-                release(args or (), kwargs or {}, options)
-            return publish(task_id)
+            standing = release(args or (), kwargs or {}, options) if release is not None else []
+            try:
+                return publish(task_id)
+            except BaseException:
+                # The retry was not published, and the job ends here (Celery rejects it):
+                # a marker standing for it would make identical publishes return a job
+                # that never runs, until the marker's TTL.
+                for key, opts in standing:
+                    self._drop_dedupe_marker(key, opts, task_id, "a failed retry publish")
+                raise
         if (
             link
             or link_error
@@ -435,6 +445,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         settings = get_settings(self.app)
         opts = with_call_options(self.redlock_options(), overrides, settings)
         if opts.dedupe is None:
+            return publish(task_id)
+        unlike = self._unlike_its_duplicates(options)
+        if unlike:
+            # A queued job stands for its duplicates only if it runs, and stores its
+            # result, as they would: one that may expire unrun, or whose result is kept
+            # (or not) unlike the task's, neither takes identical publishes nor joins
+            # another's marker (a caller's .get() would wait for ever, or its job never
+            # run).
+            logger.debug("%s: published without dedupe: %s", self.name, unlike)
             return publish(task_id)
         if task_id is not None and task_id == getattr(self.request, "id", None):
             return publish(task_id)  # a republish of the running job itself
@@ -483,6 +502,21 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             except Exception:
                 logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
             raise
+
+    def _unlike_its_duplicates(self, options: Mapping[str, Any]) -> str | None:
+        """Why a publish with these options cannot stand for (or be folded into) an
+        identical one, or None: its own ``expires``, or an ``ignore_result`` other than
+        the task's."""
+        if options.get("expires") is not None:
+            return "it expires"
+        ignore = options.get("ignore_result")
+        if ignore is not None and bool(ignore) != bool(
+            self.ignore_result
+            if self.ignore_result is not None
+            else self.app.conf.task_ignore_result
+        ):
+            return "its ignore_result differs from the task's"
+        return None
 
     def dedupe_suffix(self) -> str:
         """The suffix of this task's dedupe markers, ``dedupe:<task name>``.
@@ -662,7 +696,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
         def release_for_retry(
             args: Sequence[Any], kwargs: Mapping[str, Any], options: dict[str, Any]
-        ) -> None:
+        ) -> list[tuple[str, TaskOptions]]:
             headers = options.get("headers")
             if isinstance(headers, Mapping) and not _WAIT_COUNTERS.isdisjoint(headers):
                 # A new wait: contention before this retry must not count toward
@@ -670,23 +704,27 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 options["headers"] = {k: v for k, v in headers.items() if k not in _WAIT_COUNTERS}
             lease = getattr(request, "redlock_lease", None)
             if lease is None:
-                return
+                return []
             lease.clear_on_release = None  # the job stays queued: an "active" marker too
             run_key = lease.key
             self._release(request)
             opts = self._options_with(_header(request, OPTIONS_HEADER))
             if request.is_eager or opts.dedupe is None:
-                return
+                return []
             if opts.dedupe == "queued":
                 # Its "queued" marker went when the run started; the job waits in the
                 # queue again, so identical publishes coalesce into it again.
-                self._claim_marker(opts, args, kwargs, request.id, options)
-            elif self._publish_key(opts, args, kwargs, options) != run_key:
+                key = self._claim_marker(opts, args, kwargs, request.id, options)
+                return [] if key is None else [(key, opts)]
+            key = self._publish_key(opts, args, kwargs, options)
+            if key != run_key:
                 # "active", retried with other arguments: the job is now the one of the
                 # new key. Its marker moves, or the old key's would stand for a job that
                 # will never run it (every identical publish returned it until the TTL).
                 self._drop_dedupe_marker(run_key, opts, request.id)
-                self._claim_marker(opts, args, kwargs, request.id, options)
+                claimed = self._claim_marker(opts, args, kwargs, request.id, options)
+                return [] if claimed is None else [(claimed, opts)]
+            return [(run_key, opts)]  # "active", same key: its marker stays for the retry
 
         if request.is_eager:
             release_for_retry((), {}, {})
@@ -992,10 +1030,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         kwargs: Mapping[str, Any],
         task_id: str | None,
         options: Mapping[str, Any],
-    ) -> None:
-        """Best effort: make ``task_id`` the queued job of its key again (a retry waits)."""
+    ) -> str | None:
+        """Best effort: make ``task_id`` the queued job of its key again (a retry waits).
+
+        Returns the key whose marker now names ``task_id``, None when none does (the
+        claim failed, or another job holds the marker)."""
         if not task_id:
-            return
+            return None
         try:
             key = self._publish_key(opts, args, kwargs, options)
             ttl = get_settings(self.app).dedupe_ttl + _delay_of(options, self.app.timezone)
@@ -1004,9 +1045,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             )
         except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
             logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
-            return
+            return None
         if holder != task_id:
             logger.info("%s[%s]: retry queued beside job %s (%s)", self.name, task_id, holder, key)
+            return None
+        return key
 
     def _drop_dedupe_marker(
         self, key: str, opts: TaskOptions | None, task_id: str | None, why: str = ""

@@ -486,3 +486,72 @@ def test_a_beat_occurrence_is_never_coalesced_at_publish(env: CeleryEnv, make_ap
         assert sent.id != "phantom"
         assert sent.get(timeout=15) == 1
         assert tick.delay(1).id == "phantom"  # a caller's publish still coalesces
+
+
+@pytest.mark.parametrize("dedupe", ["queued", "active"])
+def test_a_retry_whose_publish_fails_leaves_no_marker_behind(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, dedupe: str
+) -> None:
+    """Review r9: ``retry()`` claims (``"queued"``) or keeps (``"active"``) the job's marker
+    before Celery publishes the retry; when that publish failed (a broker restarting), the
+    job ended there (Celery rejects it) and its marker stayed, so every identical publish
+    returned a job that never ran, for ``redlock_dedupe_ttl`` (an hour)."""
+    app = make_app()
+    real_send = app.amqp.send_task_message
+
+    def send(producer: Any, name: str, message: Any, **kwargs: Any) -> Any:
+        if message.headers.get("retries"):
+            raise ConnectionError("the broker went away")
+        return real_send(producer, name, message, **kwargs)
+
+    app.amqp.send_task_message = send
+
+    @app.task(bind=True, base=SingletonTask, lock_key="pay:{n}", dedupe=dedupe, shared=False)
+    def pay(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            retries = self.request.retries
+        if retries == 0 and len(recorder.spans) == 1:
+            raise self.retry(countdown=1)
+        return retries
+
+    marker = f"redlock:{{pay:1}}:{pay.dedupe_suffix()}"
+    with run_worker(app):
+        first = pay.delay(1)
+        wait_for(lambda: len(recorder.spans) == 1, timeout=10, message="first run")
+        wait_for(lambda: not env.on_quorum("redlock:{pay:1}"), timeout=10, message="released")
+        wait_for(lambda: not env.on_quorum(marker), timeout=5, message="marker dropped")
+        later = pay.delay(1)
+        assert later.id != first.id  # a new job, not the dead one
+        assert later.get(timeout=20) == 0
+
+
+def test_a_job_that_may_expire_or_keeps_no_result_stands_for_no_duplicate(
+    env: CeleryEnv, make_app: Any, recorder: Recorder
+) -> None:
+    """Review r9: a caller's ``delay(42)`` was folded into a queued fire-and-forget
+    ``apply_async((42,), ignore_result=True)`` (its ``.get()`` never returned: the run
+    stored nothing) and ``delay(43)`` into a queued ``apply_async((43,), expires=2)`` that
+    expired unrun (the caller's job never ran). Such publishes take no marker and join
+    none."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{n}", shared=False)
+    def sync(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            pass
+        return n
+
+    fire_and_forget = sync.apply_async((42,), ignore_result=True)
+    caller = sync.delay(42)
+    assert caller.id != fire_and_forget.id
+    assert sync.apply_async((42,), ignore_result=True).id != caller.id  # joins none either
+    # Expired already when a worker takes it: the worker revokes it unrun.
+    expiring = sync.apply_async((43,), expires=dt.datetime.now(dt.timezone.utc) - dt.timedelta(1))
+    other = sync.delay(43)
+    assert other.id != expiring.id
+    assert sync.delay(43).id == other.id  # alike publishes still coalesce
+    with run_worker(app):
+        assert caller.get(timeout=20) == 42
+        assert other.get(timeout=20) == 43
+    assert caller.id in {s.task_id for s in recorder.spans}
+    assert expiring.id not in {s.task_id for s in recorder.spans}

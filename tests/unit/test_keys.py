@@ -28,6 +28,8 @@ from celery_redlock.keys import (
     KeyArgumentError,
     arguments_digest,
     bind_arguments,
+    canonical_bytes,
+    cap_key,
     compile_lock_key,
     occurrence_key,
     redis_key,
@@ -627,3 +629,101 @@ def test_a_hashed_field_digest_is_pinned() -> None:
 def test_an_unknown_conversion_is_refused_at_definition() -> None:
     with pytest.raises(ImproperlyConfigured, match=r"unknown conversion !x .*!r, !s, !a and !h"):
         compile_lock_key("u:{email!x}", lambda email: None, "proj.u")
+
+
+# -- hostile review r9 -------------------------------------------------------------------
+
+
+def test_a_huge_whole_decimal_is_refused_at_once_not_converted_for_minutes() -> None:
+    """Review r9: ``int(Decimal("1e1000000"))`` (to key it as the equal int) takes about
+    half a minute, quadratic in its digits: a nine-character argument blocked every
+    publish and every run of its job."""
+
+    def pay(amount: object) -> None: ...
+
+    build = compile_lock_key(None, pay, "shop.pay")
+    with pytest.raises(
+        KeyArgumentError, match=r"a whole number of 1000001 digits \(at most 4300\)"
+    ):
+        build((Decimal("1e1000000"),), {})
+    with pytest.raises(KeyArgumentError, match="amount"):
+        canonical_bytes(Decimal("-9e4300"), argument="amount")
+    # Below the limit a whole Decimal still keys as the equal int, and fractions are free.
+    assert build((Decimal("1e4299"),), {}) == build((10**4299,), {})
+    assert build((Decimal("1.5e-1000000"),), {}) != build((Decimal("1.5e-999999"),), {})
+
+
+def test_a_kwargs_entry_named_like_a_parameter_is_another_argument() -> None:
+    """Review r9: ``**kwargs`` entries overwrote same-named parameters in the default key,
+    so distinct jobs were taken for duplicates (and never ran)."""
+
+    def render(template: str, /, **values: object) -> None: ...
+
+    def call(*args: object, **kwargs: object) -> None: ...
+
+    def plain(a: int, **rest: object) -> None: ...
+
+    r = compile_lock_key(None, render, "mail.render")
+    keys = {
+        r(("invoice.html",), {"template": "A"}),
+        r(("receipt.html",), {"template": "A"}),
+        r(("A",), {}),
+        r(("A",), {"**": "A"}),
+    }
+    assert len(keys) == 4
+    c = compile_lock_key(None, call, "rpc.call")
+    assert c((1, 2), {}) != c((), {"args": [1, 2]})
+    # Calls whose entries never collided keep the key they always had.
+    p = compile_lock_key(None, plain, "t.plain")
+    assert p((1,), {"b": 2}) == f"t.plain:{arguments_digest({'a': 1, 'b': 2}, task_name='t.plain')}"
+
+
+SET_KEYS = """
+import pickle, sys
+from celery_redlock.keys import compile_lock_key
+def retag(tags, order=None): ...
+tags = pickle.loads(bytes.fromhex(sys.argv[1]))
+print(compile_lock_key("tags:{tags}", retag, "r")((tags,), {}))
+print(compile_lock_key("tags:{order[t]!s}", retag, "r")((None, {"t": [tags, {tags}]}), {}))
+"""
+
+
+def test_a_template_over_a_set_gives_every_process_the_same_key() -> None:
+    """Review r9: a set's text follows its hash order, which differs between processes
+    (``PYTHONHASHSEED``) and between a set and its unpickled copy: with ``"tags:{tags}"``
+    the publisher and each worker built other keys (a marker never cleared, and two runs
+    of the same tags at once)."""
+    import pickle
+
+    tags = frozenset({"green", "cyan", "red", "mauve", "blue", "teal", "plum"})
+    wire = pickle.dumps(tags).hex()
+    outputs = set()
+    for seed in ("1", "2", "3", "4"):
+        done = subprocess.run(
+            [sys.executable, "-c", SET_KEYS, wire],
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        outputs.add(done.stdout)
+    assert len(outputs) == 1, outputs
+    first, nested = outputs.pop().splitlines()
+    assert first == "tags:frozenset({'blue', 'cyan', 'green', 'mauve', 'plum', 'red', 'teal'})"
+    assert "frozenset({'blue'" in nested
+
+
+@given(st.frozensets(st.text(max_size=3), max_size=8), st.sets(st.integers(), max_size=8))
+def test_a_templates_text_for_a_set_lists_its_items_in_a_fixed_order(
+    strings: frozenset[str], numbers: set[int]
+) -> None:
+    def job(a: object, b: object) -> None: ...
+
+    def shown(items: frozenset[str] | set[int], empty: str, frame: str) -> str:
+        return frame.format(", ".join(sorted(map(repr, items)))) if items else empty
+
+    key = compile_lock_key("{a}|{b!r}", job, "t.sets")((strings, [numbers]), {})
+    a = shown(strings, "frozenset()", "frozenset({{{}}})")
+    b = shown(numbers, "set()", "{{{}}}")
+    assert key == cap_key(f"{a}|[{b}]")
