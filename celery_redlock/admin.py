@@ -8,10 +8,11 @@ retries). Nothing here is on a task's hot path.
 from __future__ import annotations
 
 import re
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -106,6 +107,44 @@ def _clients(redlock: Redlock) -> list[tuple[Master, redis.Redis]]:
     return [(master, master.client()) for master in redlock.masters]
 
 
+#: The longest one master may take over one command of these tools, in all. The client's
+#: timeouts bound each read, not a reply: a master that trickles its reply a byte at a
+#: time would hold the command for ever.
+MASTER_DEADLINE = 10.0
+
+_T = TypeVar("_T")
+
+
+def _bounded(client: redis.Redis, work: Callable[[], _T]) -> _T:
+    """``work()`` (reads on ``client``) within :data:`MASTER_DEADLINE`; past it the client's
+    connections are cut (which ends the read) and :class:`TimeoutError` is raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="redlock-admin", daemon=True)
+    thread.start()
+    thread.join(MASTER_DEADLINE)
+    if thread.is_alive():
+        client.connection_pool.disconnect()
+        raise TimeoutError(f"no complete reply within {MASTER_DEADLINE:g}s")
+    if "error" in box:
+        raise box["error"]
+    return cast("_T", box["value"])
+
+
+def _failure(exc: BaseException) -> str:
+    """What went wrong with one master, for the report (never a traceback): a reply of an
+    unexpected type (a proxy or another server on the port) trips redis-py's parsing."""
+    if isinstance(exc, (redis.RedisError, TimeoutError)):
+        return scrub(str(exc))
+    return scrub(f"unexpected reply ({type(exc).__name__}: {exc})")
+
+
 def _scan(client: redis.Redis, match: str) -> Iterator[str]:
     for name in client.scan_iter(match=match, count=_SCAN_COUNT):
         yield name.decode() if isinstance(name, bytes) else str(name)
@@ -171,24 +210,30 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
     seen: dict[tuple[str, str | None], dict[str, Any]] = {}
     errors: dict[str, str] = {}
     n = len(redlock.masters)
+
+    def read(client: redis.Redis) -> tuple[list[str], list[Any], list[Any]]:
+        names = list(_scan_all(client, matches))
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.type(name)
+            pipe.pttl(name)
+        info = pipe.execute()
+        pipe = client.pipeline(transaction=False)
+        for i, name in enumerate(names):
+            kind = _text(info[2 * i])
+            if kind == "hash":
+                pipe.hgetall(name)
+            else:
+                pipe.get(name)
+        return names, info, pipe.execute()
+
     for master, client in _clients(redlock):
         try:
-            names = list(_scan_all(client, matches))
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.type(name)
-                pipe.pttl(name)
-            info = pipe.execute()
-            pipe = client.pipeline(transaction=False)
-            for i, name in enumerate(names):
-                kind = _text(info[2 * i])
-                if kind == "hash":
-                    pipe.hgetall(name)
-                else:
-                    pipe.get(name)
-            values = pipe.execute()
-        except redis.RedisError as exc:
-            errors[master.name] = scrub(str(exc))
+            names, info, values = _bounded(client, lambda client=client: read(client))  # type: ignore[misc]
+            if len(info) != 2 * len(names) or len(values) != len(names):
+                raise TypeError("replies do not match the commands")
+        except Exception as exc:  # noqa: BLE001 - reported per master
+            errors[master.name] = _failure(exc)
             continue
         for i, name in enumerate(names):
             parts = split_redis_key(prefix, name)
@@ -242,23 +287,29 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
 def inspect_key(redlock: Redlock, key: str) -> list[dict[str, Any]]:
     """Every Redis key of one logical key, on every master, side by side."""
     rows: list[dict[str, Any]] = []
+    matches, wanted = _key_matches(redlock.key_prefix, key, pattern=False)
+
+    def read(client: redis.Redis) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for name in sorted(_scan_all(client, matches)):
+            parts = split_redis_key(redlock.key_prefix, name)
+            if parts is None or not wanted(parts[0]):
+                continue
+            kind = _text(client.type(name))
+            value: Any = client.hgetall(name) if kind == "hash" else client.get(name)
+            if isinstance(value, dict):
+                value = {_text(k): _text(v) for k, v in value.items()}
+            else:
+                value = _text(value)
+            found[name] = {"value": value, "pttl_ms": client.pttl(name)}
+        return found
+
     for master, client in _clients(redlock):
         row: dict[str, Any] = {"master": master.name}
         try:
-            matches, wanted = _key_matches(redlock.key_prefix, key, pattern=False)
-            for name in sorted(_scan_all(client, matches)):
-                parts = split_redis_key(redlock.key_prefix, name)
-                if parts is None or not wanted(parts[0]):
-                    continue
-                kind = _text(client.type(name))
-                value: Any = client.hgetall(name) if kind == "hash" else client.get(name)
-                if isinstance(value, dict):
-                    value = {_text(k): _text(v) for k, v in value.items()}
-                else:
-                    value = _text(value)
-                row[name] = {"value": value, "pttl_ms": client.pttl(name)}
-        except redis.RedisError as exc:
-            row["error"] = scrub(str(exc))
+            row.update(_bounded(client, lambda client=client: read(client)))  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - reported per master
+            row["error"] = _failure(exc)
         rows.append(row)
     return rows
 
@@ -306,32 +357,41 @@ def plan_clear(redlock: Redlock, key: str, *, pattern: bool = False) -> ClearPla
     companions: dict[str, str] = {}
     kept: set[str] = set()
     errors: dict[str, str] = {}
+
+    def read(client: redis.Redis) -> tuple[dict[str, bytes], set[str]]:
+        names: list[str] = []
+        anchors: set[str] = set()
+        for name in _scan_all(client, matches):
+            parts = split_redis_key(prefix, name)
+            if parts is None or parts[0] == CHECK_KEY or not wanted(parts[0]):
+                continue
+            if parts[1] == "fence":
+                continue
+            if pattern and _is_anchor(parts[1]):
+                anchors.add(name)
+                continue
+            names.append(name)
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.dump(name)
+        return {
+            name: dumped
+            for name, dumped in zip(names, pipe.execute(), strict=True)
+            if dumped is not None
+        }, anchors
+
     for master, client in _clients(redlock):
         found: dict[str, bytes] = {}
         dumps.append(found)
         try:
-            names: list[str] = []
-            for name in _scan_all(client, matches):
-                parts = split_redis_key(prefix, name)
-                if parts is None or parts[0] == CHECK_KEY or not wanted(parts[0]):
-                    continue
-                if parts[1] == "fence":
-                    continue
-                if pattern and _is_anchor(parts[1]):
-                    kept.add(name)
-                    continue
-                names.append(name)
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.dump(name)
-            found.update(
-                (name, dumped)
-                for name, dumped in zip(names, pipe.execute(), strict=True)
-                if dumped is not None
-            )
-        except redis.RedisError as exc:
-            errors[master.name] = scrub(str(exc))
+            listed, anchors = _bounded(client, lambda client=client: read(client))  # type: ignore[misc]
+            if not all(isinstance(dumped, bytes) for dumped in listed.values()):
+                raise TypeError("a DUMP reply is not bytes")
+        except Exception as exc:  # noqa: BLE001 - reported per master; the others go on
+            errors[master.name] = _failure(exc)
             continue
+        found.update(listed)
+        kept |= anchors
         # A lock's metadata goes with the lock (renewals rewrite it, so it is not
         # compared itself); metadata whose lock is gone is compared like any key.
         for name in found:
@@ -369,9 +429,16 @@ def delete_planned(
             companion = plan.companions.get(name)
             keys += [name, companion if companion in riders else name]
         try:
-            replies = client.eval(CLEAR_IF_UNCHANGED, len(keys), *keys, *(found[n] for n in names))
-        except redis.RedisError as exc:
-            errors[master.name] = scrub(str(exc))
+            replies = _bounded(
+                client,
+                lambda client=client, keys=keys, names=names, found=found: client.eval(  # type: ignore[misc]
+                    CLEAR_IF_UNCHANGED, len(keys), *keys, *(found[n] for n in names)
+                ),
+            )
+            if not isinstance(replies, list) or len(replies) != len(names):
+                raise TypeError(f"{replies!r:.80} is not one reply per key")
+        except Exception as exc:  # noqa: BLE001 - reported per master
+            errors[master.name] = _failure(exc)
             continue
         for name, reply in zip(names, replies, strict=True):
             if reply == 1:
@@ -441,29 +508,36 @@ def check(
     reports: list[MasterReport] = []
     # The client's own view first: it refuses a master whose run_id another one has.
     statuses = redlock.check_masters()
+
+    def probe(client: redis.Redis, report: MasterReport) -> None:
+        start = time.perf_counter()
+        client.ping()
+        report.latency_ms = (time.perf_counter() - start) * 1000
+        info = client.info("server")
+        report.version = str(info.get("redis_version"))
+        report.run_id = str(info.get("run_id"))
+        report.uptime_s = int(info.get("uptime_in_seconds", 0))
+        seconds, micros = client.time()
+        report.clock_offset_ms = (seconds + micros / 1e6 - time.time()) * 1000  # noqa: TID251 - skew is wall clock
+        persistence = client.info("persistence")
+        report.aof = bool(persistence.get("aof_enabled"))
+        try:
+            report.appendfsync = _text(client.config_get("appendfsync").get("appendfsync"))
+            report.rdb_saves = bool(client.config_get("save").get("save"))
+        except redis.ResponseError:
+            report.warnings.append("CONFIG is disabled: persistence settings unknown")
+
     for master, client in _clients(redlock):
         report = MasterReport(master.name)
         reports.append(report)
+        probed = MasterReport(master.name)  # filled by the probe's thread, copied when done
         try:
-            start = time.perf_counter()
-            client.ping()
-            report.latency_ms = (time.perf_counter() - start) * 1000
-            info = client.info("server")
-            report.version = str(info.get("redis_version"))
-            report.run_id = str(info.get("run_id"))
-            report.uptime_s = int(info.get("uptime_in_seconds", 0))
-            seconds, micros = client.time()
-            report.clock_offset_ms = (seconds + micros / 1e6 - time.time()) * 1000  # noqa: TID251 - skew is wall clock
-            persistence = client.info("persistence")
-            report.aof = bool(persistence.get("aof_enabled"))
-            try:
-                report.appendfsync = _text(client.config_get("appendfsync").get("appendfsync"))
-                report.rdb_saves = bool(client.config_get("save").get("save"))
-            except redis.ResponseError:
-                report.warnings.append("CONFIG is disabled: persistence settings unknown")
-            report.reachable = True
-        except redis.RedisError as exc:
-            report.error = scrub(str(exc))
+            _bounded(client, lambda client=client, probed=probed: probe(client, probed))  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - reported per master
+            report.error = _failure(exc)
+            continue
+        probed.reachable = True
+        reports[-1] = report = probed
     for report in reports:
         if not report.reachable:
             continue
@@ -501,19 +575,25 @@ def check(
         report = next(r for r in reports if r.name == master.name)
         if not report.reachable:
             continue
-        try:
-            for count, name in enumerate(_scan(client, f"{redlock.key_prefix}:*"), 1):
+
+        def foreign(client: redis.Redis) -> int:
+            count = 0
+            for seen, name in enumerate(_scan(client, f"{redlock.key_prefix}:*"), 1):
                 if split_redis_key(redlock.key_prefix, name) is None:
-                    report.foreign_keys += 1
-                if count >= sample:
+                    count += 1
+                if seen >= sample:
                     break
+            return count
+
+        try:
+            report.foreign_keys = _bounded(client, lambda client=client: foreign(client))  # type: ignore[misc]
             if report.foreign_keys:
                 report.warnings.append(
                     f"{report.foreign_keys} keys under prefix {redlock.key_prefix!r} are not "
                     "ours: another application shares the prefix"
                 )
-        except redis.RedisError as exc:
-            report.warnings.append(scrub(f"could not finish the check: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - reported per master
+            report.warnings.append(f"could not finish the check: {_failure(exc)}")
     for report, status in zip(reports, statuses, strict=True):
         if status.duplicate_of is not None:
             report.duplicate_of = status.duplicate_of

@@ -253,6 +253,8 @@ def _number(value: int | float | Decimal) -> bytes:
         return b"Xnan;"
     if number.is_infinite():
         return b"X-inf;" if number < 0 else b"Xinf;"
+    if number.is_zero():
+        return _integer(0)  # 0E+5000 is a zero, whatever its exponent
     if number == number.to_integral_value():
         if number.adjusted() >= MAX_INTEGRAL_DIGITS:
             raise _TooManyDigits(
@@ -344,7 +346,7 @@ def _bind(
         # and render("A") are two jobs. Such entries (and one named like the group, so
         # that none can pass for it) key as a group of their own; the others as before,
         # so keys of calls that never collided do not change.
-        if name in signature.parameters or name == _APART:
+        if name in result or name == _APART:
             apart[name] = value
         else:
             result[name] = value
@@ -435,16 +437,19 @@ _CONVERSIONS = (None, "r", "s", "a", "h")
 
 
 class _ShownSet(frozenset[Any]):
-    """A set that shows its items in a fixed order: a set's own text follows its hash order,
-    which differs between processes (``PYTHONHASHSEED``) and between a set and its
-    unpickled copy, so ``"tags:{tags}"`` gave the publisher and each worker another key."""
+    """A set that shows its items in a fixed order: a set of texts (or of anything holding
+    one) follows its hash order, which differs between processes (``PYTHONHASHSEED``) and
+    between a set and its unpickled copy, so ``"tags:{tags}"`` gave the publisher and each
+    worker another key. Numbers come first, by value, then the rest by their text."""
 
     __slots__ = ("_display",)
     _display: str
 
-    def __new__(cls, items: set[Any] | frozenset[Any]) -> _ShownSet:
+    def __new__(cls, items: set[Any] | frozenset[Any], seen: frozenset[int]) -> _ShownSet:
         self = super().__new__(cls, items)
-        body = ", ".join(sorted(repr(_shown(item)) for item in items))
+        shown = [_shown(item, seen) for item in items]
+        ordered = sorted(shown, key=_display_order)
+        body = ", ".join(repr(item) for item in ordered)
         if isinstance(items, frozenset):
             self._display = f"frozenset({{{body}}})" if body else "frozenset()"
         else:
@@ -460,21 +465,47 @@ class _ShownSet(frozenset[Any]):
         return format(self._display, spec)
 
 
-def _shown(value: Any) -> Any:
-    """``value``, or an equal copy whose text does not depend on hash order: its sets, at
-    any depth in lists, tuples and dicts, become :class:`_ShownSet`. Values without sets
-    come back as they are (no copy)."""
-    if isinstance(value, (set, frozenset)) and not isinstance(value, _ShownSet):
-        return _ShownSet(value)
-    if type(value) in (list, tuple):
-        items = [_shown(item) for item in value]
-        if any(new is not old for new, old in zip(items, value, strict=True)):
-            return type(value)(items)
-    elif type(value) is dict:
-        pairs = [(_shown(k), _shown(v)) for k, v in value.items()]
+def _display_order(item: Any) -> tuple[int, Any, str]:
+    if type(item) in (int, float):
+        return (0, item, "")
+    return (1, 0, repr(item))
+
+
+#: Types whose hash is the same in every process: a set of only these (ints, say, or
+#: tuples of them) was always shown in one order, and is left as it is, so its keys do not
+#: change.
+_FIXED_HASH = (int, float, bool, complex, Decimal, type(None))
+
+
+def _fixed_hash(item: Any) -> bool:
+    kind = type(item)
+    if kind in _FIXED_HASH:
+        return True
+    return (kind is tuple or kind is frozenset) and all(_fixed_hash(part) for part in item)
+
+
+def _shown(value: Any, seen: frozenset[int] = frozenset()) -> Any:
+    """``value``, or an equal copy whose text does not depend on hash order: its sets (of
+    exactly ``set`` or ``frozenset``; a subclass shows itself), at any depth in lists,
+    tuples and dicts, become :class:`_ShownSet`. Values without such sets come back as
+    they are (no copy); a value that contains itself is left as it is there."""
+    kind = type(value)
+    if kind not in (set, frozenset, list, tuple, dict) or id(value) in seen:
+        return value
+    seen = seen | {id(value)}
+    if kind is set or kind is frozenset:
+        if all(_fixed_hash(item) for item in value):
+            return value
+        return _ShownSet(value, seen)
+    if kind is dict:
+        pairs = [(_shown(k, seen), _shown(v, seen)) for k, v in value.items()]
         old = value.items()
         if any(k is not k0 or v is not v0 for (k, v), (k0, v0) in zip(pairs, old, strict=True)):
             return dict(pairs)
+        return value
+    items = [_shown(item, seen) for item in value]
+    if any(new is not old for new, old in zip(items, value, strict=True)):
+        return kind(items)
     return value
 
 
@@ -483,20 +514,18 @@ class _KeyFormatter(string.Formatter):
     BLAKE2b digest of the value's canonical encoding in the key instead of the value, so a
     template stays readable without writing personal data into Redis, logs and results.
     A field's value shows its sets in a fixed order (see :class:`_ShownSet`), also one
-    reached through attributes or items (``{order.tags}``)."""
+    reached through attributes or items (``{order.tags}``); a ``!h`` field is left to the
+    canonical encoding."""
 
     def __init__(self, task_name: str) -> None:
         self.task_name = task_name
 
-    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        value, used = super().get_field(field_name, args, kwargs)
-        return _shown(value), used
-
     def convert_field(self, value: Any, conversion: str | None) -> Any:
         if conversion == "h":
+            # The digest's encoding sorts sets itself, and keeps a value's own key hook.
             data = canonical_bytes(value, task_name=self.task_name, argument="a !h field")
             return hashlib.blake2b(data, digest_size=8, person=_PERSON).hexdigest()
-        return super().convert_field(value, conversion)
+        return super().convert_field(_shown(value), conversion)
 
 
 def _template_fields(template: str) -> list[str]:

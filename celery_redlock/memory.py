@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -69,6 +70,9 @@ class MemoryRedlock(Redlock):
         self._fence_seed = itertools.count(1)
         #: lock key -> its Redis key names (see Redlock._keys, which claims use too)
         self._names: dict[str, tuple[str, str, str]] = {}
+        #: Redis key name of a lock -> its lease, so that a force_delete (``clear_lock``)
+        #: makes it lost, as the Redis backend's next renewal would
+        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
         return f"<MemoryRedlock prefix {self.key_prefix!r}: {len(self._values)} keys>"
@@ -150,6 +154,7 @@ class MemoryRedlock(Redlock):
             auto_renew=auto_renew,
             renew_every_default=checked.renew_every_default,
         )
+        self._leases[name] = lease
         return lease
 
     def _release(self, lease: Lease, *, wait: bool = True) -> tuple[bool, bool]:
@@ -229,11 +234,17 @@ class MemoryRedlock(Redlock):
     def force_delete(self, names: Iterable[str]) -> list[str]:
         """:meth:`Redlock.force_delete`, in this process: the names that existed (a lock's
         metadata exists while its lock does, when it has fields), all deleted."""
+        lost = []
         with self._mutex:
             present = {name for name in names if self._exists(name)}
             for name in present:
-                self._values.pop(name, None)
+                entry = self._values.pop(name, None)
                 self._meta.pop(name, None)
+                lease = self._leases.pop(name, None)
+                if lease is not None and entry is not None and entry[0] == lease.token:
+                    lost.append(lease)
+        for lease in lost:
+            lease._lose("its key was deleted (clear_lock / force_delete)")
         return sorted(present)
 
     def _exists(self, name: str) -> bool:

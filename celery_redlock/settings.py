@@ -567,17 +567,39 @@ def _node_timeout_fits(node_timeout: float, ttl: float) -> bool:
 
 
 def _renewal_limit(ttl: float, node_timeout: float, clock_drift_factor: float) -> float:
-    """The longest ``renew_every`` whose renewal round still ends within the validity of a
-    lease of ``ttl`` (``ttl`` less its drift allowance): ``renew_every`` must stay below it,
-    or every lease is lost at its first renewal while its key lives on."""
-    return ttl - limits.drift(ttl, clock_drift_factor) - node_timeout
+    """The longest renewal interval whose renewals still land within the validity of a
+    lease of ``ttl`` (``ttl`` less its drift allowance), with rounds as slow as
+    ``node_timeout``: a renewal is due that interval after the reply to the round before
+    it, while the validity it must land in counts from that round's send, so two rounds
+    fit in besides the interval. Past it, leases are lost at a renewal while their keys
+    live on."""
+    return ttl - limits.drift(ttl, clock_drift_factor) - 2 * node_timeout
 
 
 def _renewal_text(ttl: float, node_timeout: float, clock_drift_factor: float) -> str:
     return (
         f"< {_renewal_limit(ttl, node_timeout, clock_drift_factor):g}: ttl {ttl:g} less its "
-        f"clock drift allowance ({limits.drift(ttl, clock_drift_factor):g}) less node_timeout "
-        f"({node_timeout:g})"
+        f"clock drift allowance ({limits.drift(ttl, clock_drift_factor):g}) less two "
+        f"node_timeouts ({2 * node_timeout:g})"
+    )
+
+
+def _renewal_problem(
+    ttl: float, renew_every: float | None, node_timeout: float, clock_drift_factor: float
+) -> str | None:
+    """Why renewals every ``renew_every`` (None: the default, a third of ``ttl``) cannot
+    keep a lease of ``ttl``, or None."""
+    renew = renew_every if renew_every is not None else max(ttl / 3, limits.MIN_RENEW_EVERY)
+    if renew < _renewal_limit(ttl, node_timeout, clock_drift_factor):
+        return None
+    every = (
+        f"{_label('renew_every')} ({renew:g})"
+        if renew_every is not None
+        else f"a third of it, the default ({renew:g})"
+    )
+    return (
+        f"is too short for a renewal every {every} to land within the lease's validity "
+        f"(the interval must be {_renewal_text(ttl, node_timeout, clock_drift_factor)})"
     )
 
 
@@ -639,17 +661,15 @@ def check_values(
             )
     renew, ttl, drift = clean.get("renew_every"), clean.get("ttl"), clean.get("clock_drift_factor")
     if (
-        renew is not None
-        and ttl is not None
+        ttl is not None
         and timeout is not None
         and drift is not None
-        and renew >= _renewal_limit(ttl, timeout, drift)
+        and "renew_every" in clean
+        and _node_timeout_fits(timeout, ttl)
     ):
-        conflict(
-            "renew_every",
-            f"must leave a renewal time to land within the lease's validity "
-            f"({_renewal_text(ttl, timeout, drift)}); got renew_every={renew:g}, ttl={ttl:g}",
-        )
+        problem = _renewal_problem(ttl, renew, timeout, drift)
+        if problem is not None:
+            conflict("ttl", f"({ttl:g}) {problem}")
     if problems:
         # Belt and braces: no message shows a password of the masters given, whatever
         # part of a spec it quotes (mask_url and describe_master already hide them).
@@ -907,6 +927,9 @@ class TaskOptions:
     skip_result: SkipResult
     build_key: KeyBuilder = field(repr=False, compare=False)
     raise_on_duplicate: bool = False
+    #: ``redlock_renew_every`` is set: the run's lease is given ``renew_every``, else the
+    #: lease's own default applies (and follows the TTL when the body extends it)
+    renew_every_set: bool = False
 
     def lock_key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of one call; raises as the key builder does (see
@@ -990,15 +1013,12 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
                 f"task {task_name!r}: option lock_ttl ({ttl:g}) must be more than three times "
                 f"{_label('node_timeout')} ({settings.node_timeout:g})"
             )
-        elif settings.renew_every is not None and settings.renew_every >= _renewal_limit(
-            ttl, settings.node_timeout, settings.clock_drift_factor
-        ):
-            messages.append(
-                f"task {task_name!r}: option lock_ttl ({ttl:g}) leaves no time for a renewal "
-                f"every {_label('renew_every')} ({settings.renew_every:g}) to land within the "
-                f"lease's validity (renew_every must be "
-                f"{_renewal_text(ttl, settings.node_timeout, settings.clock_drift_factor)})"
+        else:
+            problem = _renewal_problem(
+                ttl, settings.renew_every, settings.node_timeout, settings.clock_drift_factor
             )
+            if problem is not None:
+                messages.append(f"task {task_name!r}: option lock_ttl ({ttl:g}) {problem}")
     build_key: KeyBuilder | None = None
     try:
         build_key = compile_lock_key(
@@ -1014,6 +1034,7 @@ def validate_task_options(task: Any, settings: RedlockSettings) -> TaskOptions:
         task_name=task_name,
         lock_ttl=resolved["lock_ttl"],
         renew_every=settings.renew_interval(resolved["lock_ttl"]),
+        renew_every_set=settings.renew_every is not None,
         on_contention=resolved["on_contention"],
         contention_backoff=resolved["contention_backoff"],
         max_contention_retries=resolved["max_contention_retries"],
@@ -1078,18 +1099,12 @@ def validate_call_options(
             f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) must be more than three "
             f"times {_label('node_timeout')} ({settings.node_timeout:g})"
         )
-    elif (
-        ttl is not None
-        and settings.renew_every is not None
-        and settings.renew_every
-        >= _renewal_limit(ttl, settings.node_timeout, settings.clock_drift_factor)
-    ):
-        messages.append(
-            f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) leaves no time for a "
-            f"renewal every {_label('renew_every')} ({settings.renew_every:g}) to land within "
-            f"the lease's validity (renew_every must be "
-            f"{_renewal_text(ttl, settings.node_timeout, settings.clock_drift_factor)})"
+    elif ttl is not None:
+        problem = _renewal_problem(
+            ttl, settings.renew_every, settings.node_timeout, settings.clock_drift_factor
         )
+        if problem is not None:
+            messages.append(f"task {task_name!r}: redlock= option lock_ttl ({ttl:g}) {problem}")
     if messages:
         problems = [SettingProblem(task_name, "invalid", m) for m in messages]
         _raise_problems(problems, f"the redlock= publish options of task {task_name!r}")

@@ -505,9 +505,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def _unlike_its_duplicates(self, options: Mapping[str, Any]) -> str | None:
         """Why a publish with these options cannot stand for (or be folded into) an
-        identical one, or None: its own ``expires``, or an ``ignore_result`` other than
-        the task's."""
-        if options.get("expires") is not None:
+        identical one, or None: an ``expires`` (its own or the task's, which Celery adds
+        after this point), or an ``ignore_result`` other than the task's."""
+        if options.get("expires", self.expires) is not None:
             return "it expires"
         ignore = options.get("ignore_result")
         if ignore is not None and bool(ignore) != bool(
@@ -517,6 +517,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         ):
             return "its ignore_result differs from the task's"
         return None
+
+    def _request_unlike(self, request: Any) -> str | None:
+        """:meth:`_unlike_its_duplicates` for a running job, from its message."""
+        return self._unlike_its_duplicates(
+            {
+                "expires": getattr(request, "expires", None),
+                "ignore_result": getattr(request, "ignore_result", None),
+            }
+        )
 
     def dedupe_suffix(self) -> str:
         """The suffix of this task's dedupe markers, ``dedupe:<task name>``.
@@ -623,7 +632,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 key,
                 opts.lock_ttl,
                 auto_renew=True,
-                renew_every=opts.renew_every,
+                # Left to the lease when not configured: its default (a third of the TTL)
+                # follows the TTL if the body extends the lease to another one.
+                renew_every=opts.renew_every if opts.renew_every_set else None,
                 meta=meta,
                 clear_companion=(
                     (self.dedupe_suffix(), task_id) if opts.dedupe == "queued" else None
@@ -635,9 +646,16 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         except QuorumUnavailable as exc:
             self._on_unavailable(request, key, opts, exc, args, kwargs)
             raise  # pragma: no cover
-        if opts.dedupe == "active":
-            lease.clear_on_release = (self.dedupe_suffix(), task_id)
-        request.redlock_lease = lease
+        try:
+            if opts.dedupe == "active":
+                lease.clear_on_release = (self.dedupe_suffix(), task_id)
+            request.redlock_lease = lease
+        except BaseException:
+            # A soft time limit (or a revoke's signal) landing here, before the release
+            # below is armed: nobody else would release this lease, and the renewal
+            # engine would keep it for as long as this process lives.
+            lease.release(wait=False)
+            raise
         # From here every exit releases: an exception before the body (a soft time limit
         # landing here) would otherwise leave a lease that the heartbeat renews for ever.
         try:
@@ -711,6 +729,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             opts = self._options_with(_header(request, OPTIONS_HEADER))
             if request.is_eager or opts.dedupe is None:
                 return []
+            if self._unlike_its_duplicates(options):
+                # The retry may expire unrun, or keeps its result unlike the task: it
+                # stands for no duplicate (see apply_async), so no marker names it.
+                if opts.dedupe == "active":
+                    self._drop_dedupe_marker(run_key, opts, request.id)
+                return []
             if opts.dedupe == "queued":
                 # Its "queued" marker went when the run started; the job waits in the
                 # queue again, so identical publishes coalesce into it again.
@@ -746,15 +770,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease: Lease | None = getattr(request, "redlock_lease", None)
         if lease is None:
             return
-        request.redlock_lease = None
         interrupter = getattr(request, "redlock_interrupter", None)
         if interrupter is not None:
             interrupter.stop()
         confirmed: bool | None = None
+        # The lease is forgotten only once released: an exception (a signal's) between
+        # the two would otherwise leave it held, renewed, and known to nobody.
         if wait:
             confirmed = lease.release()
         else:
             lease.release(wait=False)
+        request.redlock_lease = None
         if signals.lock_released.receivers:
             signals.lock_released.send(
                 sender=self,
@@ -1000,6 +1026,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """
         if opts.dedupe != "queued" or not request.id or self._in_canvas(request):
             return  # a canvas member never had a marker: identical publishes stay apart
+        if self._request_unlike(request):
+            return  # it took no marker when published (see apply_async): nor now
         try:
             ttl = get_settings(self.app).dedupe_ttl + countdown
             holder, _ = redlock_for(self.app).claim(

@@ -691,7 +691,16 @@ class Link:
     order of our commands on that master, survives a slow reply.
     """
 
-    __slots__ = ("_conn", "_nonblocking", "_prefix", "master", "outstanding", "reader", "sock")
+    __slots__ = (
+        "_conn",
+        "_nonblocking",
+        "_prefix",
+        "master",
+        "outstanding",
+        "reader",
+        "sending",
+        "sock",
+    )
 
     def __init__(self, master: Master) -> None:
         self.master = master
@@ -703,6 +712,10 @@ class Link:
         self._nonblocking = False
         self.reader = wire.reader()
         self.outstanding: deque[Slot] = deque()
+        #: True from the start of a send until its slot is queued: an exception raised
+        #: in between (a signal's, asynchronously) leaves the stream in doubt (a command
+        #: partly sent, or sent without a slot for its reply), and the link must close
+        self.sending = False
         #: names of the connect commands sent ahead of the handshake (see open)
         self._prefix: tuple[str, ...] = ()
 
@@ -789,6 +802,7 @@ class Link:
 
     def close(self) -> None:
         conn, self._conn, self.sock = self._conn, None, None
+        self.sending = False
         self.outstanding.clear()
         self.reader = wire.reader()
         if conn is not None:
@@ -801,6 +815,7 @@ class Link:
         """Drop the connection without touching the socket (after fork, in the child)."""
         self._conn = None
         self.sock = None
+        self.sending = False
         self.outstanding.clear()
         self.reader = wire.reader()
 
@@ -809,6 +824,7 @@ class Link:
         assert self.sock is not None
         if len(self.outstanding) > MAX_OUTSTANDING:
             raise ConnectionError(f"{len(self.outstanding)} replies overdue")
+        self.sending = True
         if self._nonblocking:
             try:
                 sent = self.sock.send(payload)
@@ -820,6 +836,7 @@ class Link:
             self.sock.sendall(payload)
         slot = Slot(expected)
         self.outstanding.append(slot)
+        self.sending = False
         return slot
 
     def _send_rest(self, rest: memoryview) -> None:
@@ -861,18 +878,21 @@ class Link:
         """
         sock = self.sock
         assert sock is not None
-        try:
-            data = sock.recv(262144)
-        except BlockingIOError:  # woken for nothing: the reply is not there yet
-            return
-        if not data:
-            raise ConnectionError("connection closed by the master")
         outstanding = self.outstanding
         reader = self.reader
-        reader.feed(data)
-        if not self._nonblocking:
-            while _pending(sock):
-                reader.feed(sock.recv(262144))
+        try:
+            data = sock.recv(262144)
+        except BlockingIOError:
+            # Woken for nothing, the reply is not there yet; replies read before a hand-out
+            # that an exception interrupted still go to their slots below.
+            pass
+        else:
+            if not data:
+                raise ConnectionError("connection closed by the master")
+            reader.feed(data)
+            if not self._nonblocking:
+                while _pending(sock):
+                    reader.feed(sock.recv(262144))
         while outstanding:
             reply = reader.gets()
             if reply is False:  # incomplete (RESP2 has no boolean replies)

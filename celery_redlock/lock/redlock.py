@@ -66,6 +66,52 @@ class AcquireArguments(NamedTuple):
     fields: dict[str, str]
 
 
+class _UndoIfInterrupted:
+    """Inside a lane, around a round that may take something on the masters (an acquire,
+    a claim): if an exception escapes it (a soft time limit's, a revoke's or a
+    ``KeyboardInterrupt``, raised by a signal handler while the round waits), what the
+    round may have taken is undone, and the lane's connections are closed.
+
+    The undo is written behind the command on each connection, so a master runs it after
+    the command, and the connection is then closed (the master still runs what it has
+    read; the replies are not waited for). A connection whose send was cut short (a
+    command partly written, or written with no slot for its reply) is only closed: the
+    master drops a partial command. Without this, an interrupted acquire's keys stood on
+    the masters for their whole TTL, held by nobody.
+    """
+
+    __slots__ = ("lane", "undo")
+
+    def __init__(self, lane: Lane, undo: Callable[[], bytes]) -> None:
+        self.lane = lane
+        self.undo = undo
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if kind is None:
+            return
+        payload: bytes | None = None
+        for link in self.lane.links:
+            if link.sock is None:
+                continue
+            if not link.sending:
+                try:
+                    payload = payload or self.undo()
+                    link.send(payload, 1)
+                except Exception:  # noqa: BLE001 - best effort, the link closes anyway
+                    logger.debug("could not send the undo to %s", link.master.name)
+            link.close()
+        logger.warning(
+            "a lock operation was interrupted (%s); what it may have taken on the masters "
+            "is undone",
+            kind.__name__,
+        )
+
+
 class Redlock:
     """A Redlock client over N independent masters (N=1 works, as a plain lock).
 
@@ -255,11 +301,17 @@ class Redlock:
                         raise
                     pause = min(pause, left)
                 time.sleep(pause)
-        lease._renew_every_default = checked.renew_every_default
-        self._granted(ttl)
-        if auto_renew:
-            lease.auto_renew = True
-            self._engine().add(lease)
+        try:
+            lease._renew_every_default = checked.renew_every_default
+            self._granted(ttl)
+            if auto_renew:
+                lease.auto_renew = True
+                self._engine().add(lease)
+        except BaseException:
+            # Interrupted (see _UndoIfInterrupted) before the caller has the lease: nobody
+            # would release it, and the renewal engine might keep it for ever.
+            lease.release(wait=False)
+            raise
         return lease
 
     def _acquire_arguments(
@@ -536,7 +588,10 @@ class Redlock:
         # lane a late undo could delete the claim a later attempt counted as won.
         first: Lane | None = None
         for attempt in range(4):
-            with self._lane(first) as lane:
+            with (
+                self._lane(first) as lane,
+                _UndoIfInterrupted(lane, lambda: scripts.UNCLAIM.call(1, name, value)),
+            ):
                 first = lane
                 quarantined = self._quarantined(self._clock())
 
@@ -891,7 +946,11 @@ class Redlock:
             command += scripts.FENCE.call(
                 2, lock_key, fence_key, token, proposal, max(1, int(self.fence_ttl * 1000))
             )
-        with self._lane() as lane:
+
+        def undo_command() -> bytes:
+            return scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, "")
+
+        with self._lane() as lane, _UndoIfInterrupted(lane, undo_command):
             start = self._clock()
             quarantined = self._quarantined(start)
             payload = (command, 2 if proposal else 1)

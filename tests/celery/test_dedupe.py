@@ -555,3 +555,52 @@ def test_a_job_that_may_expire_or_keeps_no_result_stands_for_no_duplicate(
         assert other.get(timeout=20) == 43
     assert caller.id in {s.task_id for s in recorder.spans}
     assert expiring.id not in {s.task_id for s in recorder.spans}
+
+
+def test_no_marker_names_a_job_that_may_expire_or_keeps_no_result_when_it_waits(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog
+) -> None:
+    """Review r11: the rule above held at publish only. A task-level ``expires`` (which
+    Celery adds after SingletonTask's publish) still took a marker, and a fire-and-forget
+    job rescheduled on contention, or retried, claimed one: a caller's ``delay()`` was then
+    folded into a job that expired unrun, or whose ``.get()`` never returned."""
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="exp:{n}", expires=3600, shared=False)
+    def expiring(n: int) -> int:
+        return n
+
+    @app.task(bind=True, base=SingletonTask, lock_key="wait:{n}", shared=False)
+    def waiting(self: Any, n: int) -> int:
+        if n == 2 and not self.request.retries:
+            raise self.retry(countdown=1)
+        return n
+
+    first = expiring.delay(1)
+    assert expiring.delay(1).id != first.id  # the task's own expires: no marker taken
+    others = Redlock(env.masters.urls)
+    holder = others.acquire("wait:1", ttl=60)
+    try:
+        with run_worker(app):
+            quiet = waiting.apply_async((1,), ignore_result=True)
+            wait_for(
+                lambda: signal_log.of("lock_contended", action="retry"),
+                timeout=10,
+                message="the fire-and-forget job met the lock and was rescheduled",
+            )
+            caller = waiting.delay(1)
+            assert caller.id != quiet.id  # not folded into the job that keeps no result
+            holder.release()
+            assert caller.get(timeout=20) == 1
+            retried = waiting.apply_async((2,), ignore_result=True)
+            marker = redis_key("redlock", "wait:2", waiting.dedupe_suffix())
+            wait_for(
+                lambda: signal_log.of("lock_released", task_id=retried.id),
+                timeout=10,
+                message="its first run retried",
+            )
+            assert not env.on_quorum(marker)  # the retry claimed no marker
+            assert waiting.delay(2).get(timeout=20) == 2
+    finally:
+        holder.release()
+        others.close()

@@ -320,3 +320,47 @@ def test_the_holder_reads_of_revoke_and_killed_child_release_work_on_the_memory_
         reset_clients()
         reset_settings()
         app.close()
+
+
+def test_a_runs_lease_follows_its_ttl_when_the_body_extends_it(eager_app: Celery) -> None:
+    """Review r11: the task handed its lease ``renew_every = lock_ttl / 3`` as if given,
+    so after ``self.lease.extend(1.04)`` it kept renewing every second, past the new
+    validity, and lost the lease. With ``redlock_renew_every`` unset the lease's own
+    default applies and follows the TTL."""
+
+    @eager_app.task(bind=True, base=SingletonTask, lock_key="acct:{n}", lock_ttl=3, shared=False)
+    def shrink(self: Any, n: int) -> float:
+        before = self.lease.renew_every
+        self.lease.extend(1.04)
+        return before, self.lease.renew_every
+
+    before, after = shrink.delay(1).get()
+    assert before == pytest.approx(1.0)
+    assert after == pytest.approx(1.04 / 3)
+
+
+def test_a_lease_whose_lock_clear_lock_deleted_is_lost_on_the_memory_backend() -> None:
+    """Review r11: on the memory backend a cleared lock's lease still read held, and
+    ``lock_lost`` never came (its renewal never fails: there is no network), so a second
+    holder and the first both read held."""
+    app = memory_app()
+    try:
+
+        @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
+        def job(n: int) -> int:
+            return n
+
+        rl = redlock_for(app)
+        first = rl.acquire("acct:1", 30, auto_renew=True)
+        lost = threading.Event()
+        first.on_lost(lambda lease: lost.set())
+        assert job.clear_lock(1) == ["redlock:{acct:1}"]
+        assert lost.wait(5)
+        assert not first.held
+        second = rl.acquire("acct:1", 30)
+        assert second.held
+        assert not first.held
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()

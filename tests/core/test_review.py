@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -294,4 +295,57 @@ def test_extend_in_a_forked_child_raises_instead_of_hanging(masters: Masters) ->
 
     with lease._ext_lock:  # a parent thread is extending it at fork time
         assert helpers.in_child(extend, timeout=5) == b"lost"
+    lease.release()
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in these tests (as Celery's soft time limit does)."""
+
+
+@contextlib.contextmanager
+def _interrupt_after(seconds: float) -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise _Interrupted("the soft time limit")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("operation", ["acquire", "claim"])
+def test_an_interrupted_acquire_or_claim_leaves_nothing_on_the_masters(
+    masters: Masters, operation: str
+) -> None:
+    """Review r12: a soft time limit landing while an acquire waited for its replies left
+    the lock on every master for its whole TTL, held by nobody (no lease existed to
+    release it): the job's next run, and every other job of the key, was refused for a
+    minute. The same for a claim (a dedupe marker for a job that was never published)."""
+    rl = make_redlock(masters, node_timeout=5.0)
+    rl.acquire("warm-up", 10).release()  # connections open, scripts loaded
+    masters[1].pause()
+    masters[2].pause()  # the round waits for a quorum: the signal lands in the wait
+    if operation == "acquire":
+        call: Any = lambda: rl.acquire("k", 60, auto_renew=True)  # noqa: E731
+    else:
+        call = lambda: rl.claim("k", "dedupe:t", "job-1", 3600, guard_for=0)  # noqa: E731
+    try:
+        with pytest.raises(_Interrupted), _interrupt_after(0.2):
+            call()
+    finally:
+        masters[1].resume()
+        masters[2].resume()
+    name = "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t"
+    for server in masters:
+        wait_for(
+            lambda server=server: name not in keys_on(server),
+            timeout=5,
+            message=f"{name} undone on {server!r}",
+        )
+    # The client goes on: the key is free for the next one.
+    lease = rl.acquire("k", 10)
+    assert lease.held
     lease.release()

@@ -272,8 +272,8 @@ def test_renewal_must_land_before_the_key_expires() -> None:
     message = error_of(redlock_ttl=10, redlock_renew_every=10)
     assert "redlock_renew_every (Django: CELERY_REDLOCK_RENEW_EVERY)" in message
     assert (
-        "(< 9.648: ttl 10 less its clock drift allowance (0.102) less node_timeout (0.25))"
-        in message
+        "(the interval must be < 9.398: ttl 10 less its clock drift allowance (0.102) less "
+        "two node_timeouts (0.5))" in message
     )
     get_settings(make_app(redlock_ttl=10, redlock_renew_every=9))
 
@@ -534,7 +534,7 @@ def test_lock_ttl_must_leave_room_for_the_node_timeout() -> None:
 
 def test_lock_ttl_must_leave_room_for_an_explicit_renewal_period() -> None:
     app = make_app(redlock_renew_every=10)
-    with pytest.raises(ImproperlyConfigured, match=r"leaves no time for a renewal every"):
+    with pytest.raises(ImproperlyConfigured, match=r"is too short for a renewal every"):
         validate_task_options(task_of(app, lock_ttl=5), get_settings(app))
 
 
@@ -575,7 +575,7 @@ def test_renew_every_must_land_within_the_validity_not_only_the_ttl(
     with pytest.raises(ImproperlyConfigured, match=r"within the lease's validity"):
         validate_call_options({"lock_ttl": ttl}, "proj.sync", settings)
     # A renewal that lands within the validity is fine.
-    limit = ttl - (ttl * drift + 0.002) - node_timeout
+    limit = ttl - (ttl * drift + 0.002) - 2 * node_timeout
     fitting = {**conf, "redlock_renew_every": limit * 0.99}
     get_settings(make_app(redlock_redis_urls=THREE, **fitting))
 
@@ -627,3 +627,25 @@ def test_unknown_names_can_be_found_in_an_app_conf_directly() -> None:
     (problem,) = find_unknown_settings(app.conf)
     assert problem.setting == "CELERY_REDLOCK_TLL"
     assert "did you mean CELERY_REDLOCK_TTL?" in problem.message
+
+
+def test_a_renewal_must_leave_room_for_two_rounds_and_a_default_one_too() -> None:
+    """Review r11: a renewal is due ``renew_every`` after the reply to the round before
+    it, while the validity counts from that round's send, so two rounds (each up to
+    ``node_timeout``) must fit besides the interval: renew_every=0.73 with ttl 1 and
+    node_timeout 0.25 was accepted and lost its lease at a renewal with 70 ms rounds. A
+    TTL too short for its default interval (a third of it, at least 10 ms) was accepted
+    and failed every task at its first run."""
+    message = error_of(
+        redlock_redis_urls=THREE,
+        redlock_ttl=1,
+        redlock_node_timeout=0.25,
+        redlock_renew_every=0.73,
+    )
+    assert "(the interval must be < 0.488:" in message
+    message = error_of(redlock_redis_urls=THREE, redlock_ttl=0.012, redlock_node_timeout=0.001)
+    assert message.startswith("redlock_ttl (Django: CELERY_REDLOCK_TTL) (0.012) is too short")
+    assert "a third of it, the default (0.01)" in message
+    app = make_app(redlock_redis_urls=THREE, redlock_node_timeout=0.005)
+    with pytest.raises(ImproperlyConfigured, match="a third of it, the default"):
+        validate_task_options(task_of(app, lock_ttl=0.02), get_settings(app))
