@@ -440,7 +440,8 @@ class _ShownSet(frozenset[Any]):
     """A set that shows its items in a fixed order: a set of texts (or of anything holding
     one) follows its hash order, which differs between processes (``PYTHONHASHSEED``) and
     between a set and its unpickled copy, so ``"tags:{tags}"`` gave the publisher and each
-    worker another key. Numbers come first, by value, then the rest by their text."""
+    worker another key; even a set of ints shows in the order it was built in (``{1, 9}``
+    and ``{9, 1}``). Numbers come first, by value, then the rest by their text."""
 
     __slots__ = ("_display",)
     _display: str
@@ -466,22 +467,9 @@ class _ShownSet(frozenset[Any]):
 
 
 def _display_order(item: Any) -> tuple[int, Any, str]:
-    if type(item) in (int, float):
+    if type(item) in (int, float) and item == item:  # numbers by value (NaN by its text)
         return (0, item, "")
     return (1, 0, repr(item))
-
-
-#: Types whose hash is the same in every process: a set of only these (ints, say, or
-#: tuples of them) was always shown in one order, and is left as it is, so its keys do not
-#: change.
-_FIXED_HASH = (int, float, bool, complex, Decimal, type(None))
-
-
-def _fixed_hash(item: Any) -> bool:
-    kind = type(item)
-    if kind in _FIXED_HASH:
-        return True
-    return (kind is tuple or kind is frozenset) and all(_fixed_hash(part) for part in item)
 
 
 def _shown(value: Any, seen: frozenset[int] = frozenset()) -> Any:
@@ -494,8 +482,6 @@ def _shown(value: Any, seen: frozenset[int] = frozenset()) -> Any:
         return value
     seen = seen | {id(value)}
     if kind is set or kind is frozenset:
-        if all(_fixed_hash(item) for item in value):
-            return value
         return _ShownSet(value, seen)
     if kind is dict:
         pairs = [(_shown(k, seen), _shown(v, seen)) for k, v in value.items()]

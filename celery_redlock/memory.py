@@ -70,8 +70,10 @@ class MemoryRedlock(Redlock):
         self._fence_seed = itertools.count(1)
         #: lock key -> its Redis key names (see Redlock._keys, which claims use too)
         self._names: dict[str, tuple[str, str, str]] = {}
-        #: Redis key name of a lock -> its lease, so that a force_delete (``clear_lock``)
-        #: makes it lost, as the Redis backend's next renewal would
+        #: Redis key name of a lock -> its lease, so that deleting its key by another way
+        #: (``clear_lock``, a revoke's release) makes an auto-renewed one lost, as the Redis
+        #: backend's next renewal would (one without renewal reads held until its TTL there
+        #: too)
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
@@ -154,7 +156,9 @@ class MemoryRedlock(Redlock):
             auto_renew=auto_renew,
             renew_every_default=checked.renew_every_default,
         )
-        self._leases[name] = lease
+        with self._mutex:
+            if self._values.get(name, ("", 0.0))[0] == token:
+                self._leases[name] = lease
         return lease
 
     def _release(self, lease: Lease, *, wait: bool = True) -> tuple[bool, bool]:
@@ -203,7 +207,11 @@ class MemoryRedlock(Redlock):
             token = self._get(name)
             if token is None or self._meta.get(f"{name}:meta", {}).get(field) != value:
                 return False
-            return self._delete_if(name, token)
+            deleted = self._delete_if(name, token)
+            lease = self._leases.pop(name, None) if deleted else None
+        if lease is not None and lease.token == token and lease.auto_renew:
+            lease._lose("its key was deleted by another process's release")
+        return deleted
 
     def holder(self, key: str, fields: Sequence[str]) -> tuple[str, dict[str, str]] | None:
         """:meth:`Redlock.holder`, in this process (a field not stored reads ``""``)."""
@@ -218,9 +226,14 @@ class MemoryRedlock(Redlock):
             return token, {field: meta.get(field, "") for field in fields}
 
     def release_token(self, key: str, token: str) -> bool:
-        """:meth:`Redlock.release_token`, in this process."""
+        """:meth:`Redlock.release_token`, in this process (its lease, if any, is lost)."""
+        name = self.lock_key(key)
         with self._mutex:
-            return self._delete_if(self.lock_key(key), token)
+            deleted = self._delete_if(name, token)
+            lease = self._leases.pop(name, None) if deleted else None
+        if lease is not None and lease.token == token and lease.auto_renew:
+            lease._lose("its key was deleted by another process's release")
+        return deleted
 
     def owned_by(self, key: str, field: str, value: str) -> bool:
         """:meth:`Redlock.owned_by`, in this process."""
@@ -241,7 +254,12 @@ class MemoryRedlock(Redlock):
                 entry = self._values.pop(name, None)
                 self._meta.pop(name, None)
                 lease = self._leases.pop(name, None)
-                if lease is not None and entry is not None and entry[0] == lease.token:
+                if (
+                    lease is not None
+                    and lease.auto_renew
+                    and entry is not None
+                    and entry[0] == lease.token
+                ):
                     lost.append(lease)
         for lease in lost:
             lease._lose("its key was deleted (clear_lock / force_delete)")

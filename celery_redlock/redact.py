@@ -82,14 +82,31 @@ def mask_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    # Every reading is taken on the original text and every span any of them calls
+    # secret is masked: the user info's end (the last '@') may lie in the query (an
+    # unescaped '@' in a query password), and the query's start (the first '?') in the
+    # user info (an unescaped '?' in its password), so the query is read from the first
+    # '?' and from the first one after that '@'.
+    spans: list[tuple[int, int]] = []
     at = rest.rfind("@")
     colon = rest.find(":")
     if at >= 0 and 0 <= colon < at:
-        rest = f"{rest[:colon]}:{MASK}{rest[at:]}"
-    base, qsep, query = rest.partition("?")
-    if qsep:
-        query = _mask_query(query)
-    return f"{scheme}{sep}{base}{qsep}{query}"
+        spans.append((colon + 1, at))
+    for question in {rest.find("?"), rest.find("?", max(at, 0))}:
+        if question >= 0:
+            start = question + 1
+            spans += [(start + a, start + b) for a, b in _query_secrets(rest[start:])]
+    out: list[str] = []
+    end = 0
+    for a, b in sorted(spans):
+        if a >= end:
+            out.append(rest[end:a])
+            out.append(MASK)
+            end = b
+        elif b > end:
+            end = b
+    out.append(rest[end:])
+    return f"{scheme}{sep}{''.join(out)}"
 
 
 def _query_names() -> frozenset[str]:
@@ -107,20 +124,23 @@ _QUERY_NAMES: Final = _query_names()
 _SECRET_QUERY = re.compile(r"[?&](?:password|ssl_password|ssl_keyfile)=", re.IGNORECASE)
 
 
-def _mask_query(query: str) -> str:
-    out: list[str] = []
+def _query_secrets(query: str) -> list[tuple[int, int]]:
+    """The (start, end) spans of the secret values in ``query`` (the text after '?')."""
+    spans: list[tuple[int, int]] = []
     masking = False
+    position = 0
     for part in query.split("&"):
         name, eq, _ = part.partition("=")
         if eq and _masked_query_name(name):
-            out.append(f"{name}={MASK}")
+            spans.append((position + len(name) + 1, position + len(part)))
             masking = True
         elif masking and not (eq and unquote(name).lower() in _QUERY_NAMES):
-            continue  # an unescaped '&' inside the masked value: still the secret
+            # An unescaped '&' inside the masked value: still the secret.
+            spans[-1] = (spans[-1][0], position + len(part))
         else:
-            out.append(part)
             masking = False
-    return "&".join(out)
+        position += len(part) + 1
+    return spans
 
 
 #: ``scheme://user:password@`` in free text: the password runs to the last ``@`` before

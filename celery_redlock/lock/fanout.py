@@ -63,8 +63,10 @@ class Lane:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.idle_since = self.clock()
+        # Unlocked first: an exception (a signal's) landing here must not leave the lane
+        # locked for good (see Redlock._lane for one that did anyway).
         self.lock.release()
+        self.idle_since = self.clock()
 
 
 @dataclass
@@ -163,6 +165,12 @@ def run_round(
     result = RoundResult(replies=[None] * n)
     errors = result.errors
     slots: dict[int, Slot] = {}
+    for link in links:
+        if link.in_doubt:
+            # An exception cut a send or a hand-out of replies short (a signal's): which
+            # reply answers what is no longer known. Reconnected below; a reply matched
+            # to the wrong command could count a vote that was never given.
+            link.close()
     for link in links:
         if link.sock is None:
             _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)

@@ -695,10 +695,11 @@ class Link:
         "_conn",
         "_nonblocking",
         "_prefix",
+        "in_doubt",
         "master",
         "outstanding",
+        "partial",
         "reader",
-        "sending",
         "sock",
     )
 
@@ -712,10 +713,15 @@ class Link:
         self._nonblocking = False
         self.reader = wire.reader()
         self.outstanding: deque[Slot] = deque()
-        #: True from the start of a send until its slot is queued: an exception raised
-        #: in between (a signal's, asynchronously) leaves the stream in doubt (a command
-        #: partly sent, or sent without a slot for its reply), and the link must close
-        self.sending = False
+        #: True while a send or a hand-out of replies is under way: an exception raised in
+        #: between (a signal's, asynchronously) leaves the order of replies in doubt (a
+        #: command sent without a slot for its reply, a reply read and not handed out),
+        #: and the link is closed before it is used again
+        self.in_doubt = False
+        #: True while a command may be partly written: a master drops a partial command
+        #: when the connection closes, but anything written after it would be read as its
+        #: arguments
+        self.partial = False
         #: names of the connect commands sent ahead of the handshake (see open)
         self._prefix: tuple[str, ...] = ()
 
@@ -802,7 +808,7 @@ class Link:
 
     def close(self) -> None:
         conn, self._conn, self.sock = self._conn, None, None
-        self.sending = False
+        self.in_doubt = self.partial = False
         self.outstanding.clear()
         self.reader = wire.reader()
         if conn is not None:
@@ -815,7 +821,7 @@ class Link:
         """Drop the connection without touching the socket (after fork, in the child)."""
         self._conn = None
         self.sock = None
-        self.sending = False
+        self.in_doubt = self.partial = False
         self.outstanding.clear()
         self.reader = wire.reader()
 
@@ -824,7 +830,7 @@ class Link:
         assert self.sock is not None
         if len(self.outstanding) > MAX_OUTSTANDING:
             raise ConnectionError(f"{len(self.outstanding)} replies overdue")
-        self.sending = True
+        self.in_doubt = self.partial = True
         if self._nonblocking:
             try:
                 sent = self.sock.send(payload)
@@ -834,9 +840,10 @@ class Link:
                 self._send_rest(memoryview(payload)[sent:])
         else:
             self.sock.sendall(payload)
+        self.partial = False
         slot = Slot(expected)
         self.outstanding.append(slot)
-        self.sending = False
+        self.in_doubt = False
         return slot
 
     def _send_rest(self, rest: memoryview) -> None:
@@ -880,6 +887,7 @@ class Link:
         assert sock is not None
         outstanding = self.outstanding
         reader = self.reader
+        self.in_doubt = True  # (bytes received and not yet fed in would be lost as well)
         try:
             data = sock.recv(262144)
         except BlockingIOError:
@@ -901,6 +909,7 @@ class Link:
             slot.replies.append(reply)
             if len(slot.replies) >= slot.expected:
                 outstanding.popleft()
+        self.in_doubt = False
 
 
 def _is_tls(sock: socket.socket) -> bool:

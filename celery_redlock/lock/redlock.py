@@ -74,9 +74,9 @@ class _UndoIfInterrupted:
 
     The undo is written behind the command on each connection, so a master runs it after
     the command, and the connection is then closed (the master still runs what it has
-    read; the replies are not waited for). A connection whose send was cut short (a
-    command partly written, or written with no slot for its reply) is only closed: the
-    master drops a partial command. Without this, an interrupted acquire's keys stood on
+    read; the replies are not waited for, so a command written without a slot for its
+    reply is undone too). A connection on which a command may be partly written is only
+    closed: the master drops a partial command. Without this, an interrupted acquire's keys stood on
     the masters for their whole TTL, held by nobody.
     """
 
@@ -98,7 +98,7 @@ class _UndoIfInterrupted:
         for link in self.lane.links:
             if link.sock is None:
                 continue
-            if not link.sending:
+            if not link.partial:
                 try:
                     payload = payload or self.undo()
                     link.send(payload, 1)
@@ -422,9 +422,14 @@ class Redlock:
             if self._renew_lane is not None:
                 lanes.append(self._renew_lane)
         for lane in lanes:
-            with lane.lock:
+            # A lane left locked for good (see _lane) is closed all the same.
+            taken = lane.lock.acquire(timeout=8 * self.node_timeout + 1.0)
+            try:
                 for link in lane.links:
                     link.close()
+            finally:
+                if taken:
+                    lane.lock.release()
         for master in self.masters:
             probe.forget(master)
 
@@ -789,12 +794,18 @@ class Redlock:
         twice per acquire+release.)
         """
         if lane is not None:
-            lane.lock.acquire()
-            if not lane.retired:
-                return lane
-            # Closed as idle since (a lease's release on its acquire's lane): its
-            # connections, and with them the order of its commands, are gone anyway.
-            lane.lock.release()
+            # An operation holds a lane for a round or two; one held far longer was left
+            # locked by an exception (a signal's) that landed as it was given back, and
+            # would hang this call for good: a fresh lane serves instead (its commands
+            # were answered, or timed out, long ago).
+            if lane.lock.acquire(timeout=8 * self.node_timeout + 1.0):
+                if not lane.retired:
+                    return lane
+                # Closed as idle since (a lease's release on its acquire's lane): its
+                # connections, and with them the order of its commands, are gone anyway.
+                lane.lock.release()
+            else:
+                logger.warning("a connection lane stayed locked; another one is used")
         lanes = self._lanes
         if len(lanes) > IDLE_LANES_KEPT and self._clock() >= self._prune_at:
             self._close_idle_lanes()

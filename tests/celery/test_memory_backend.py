@@ -364,3 +364,21 @@ def test_a_lease_whose_lock_clear_lock_deleted_is_lost_on_the_memory_backend() -
         reset_clients()
         reset_settings()
         app.close()
+
+
+def test_a_lease_released_by_another_process_is_lost_on_the_memory_backend() -> None:
+    """Review r13: ``release_token`` and ``release_owned_by`` (revoke, a killed child's
+    release) deleted the key but left its lease reading held, beside a second holder."""
+    app = memory_app()
+    try:
+        rl = redlock_for(app)
+        first = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t1"})
+        assert rl.release_token("acct:1", first.token)
+        wait_for(lambda: not first.held, timeout=5, message="first lease lost")
+        second = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t2"})
+        assert rl.release_owned_by("acct:1", "task_id", "t2")
+        wait_for(lambda: not second.held, timeout=5, message="second lease lost")
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()

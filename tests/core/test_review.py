@@ -349,3 +349,73 @@ def test_an_interrupted_acquire_or_claim_leaves_nothing_on_the_masters(
     lease = rl.acquire("k", 10)
     assert lease.held
     lease.release()
+
+
+class _CutShort:
+    """Makes the next ``count`` ``Slot`` constructions raise :class:`_Interrupted`: an
+    exception landing right after a command was written, before its reply's slot is
+    queued (where a signal handler's can land)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int = 1) -> None:
+        from celery_redlock.lock import master
+
+        self.left = count
+        real = master.Slot
+
+        def slot(expected: int) -> Any:
+            if self.left > 0:
+                self.left -= 1
+                raise _Interrupted("the soft time limit")
+            return real(expected)
+
+        monkeypatch.setattr(master, "Slot", slot)
+
+
+def test_an_acquire_cut_short_after_writing_its_command_is_undone(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r13: the undo skipped a link whose command was fully written when the
+    exception landed before the reply's slot was queued; the master ran the command and
+    the lock stood for its TTL, held by nobody."""
+    rl = make_redlock(masters)
+    rl.acquire("warm-up", 10).release()
+    _CutShort(monkeypatch, count=1)
+    with pytest.raises(_Interrupted):
+        rl.acquire("k", 60)
+    for server in masters:
+        wait_for(lambda server=server: "redlock:{k}" not in keys_on(server), timeout=5)
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_a_release_cut_short_never_lends_its_reply_to_the_next_round(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r13: a release cut short between writing its command and queueing the slot
+    for its reply left the link open; the next round on it (an acquire of a key another
+    client holds) took the release's ``1`` for its own vote: two holders."""
+    rl = make_redlock(masters)
+    other = make_redlock(masters)
+    mine = rl.acquire("a", 60)
+    theirs = other.acquire("b", 60)
+    cut = _CutShort(monkeypatch, count=1)
+    with pytest.raises(_Interrupted):
+        mine.release()
+    assert cut.left == 0
+    monkeypatch.undo()
+    with pytest.raises(LockContended):
+        rl.acquire("b", 60)
+    assert theirs.owned()
+    theirs.release()
+
+
+def test_a_lane_left_locked_does_not_hang_a_lease_release(masters: Masters) -> None:
+    """Review r13: an exception landing as a lane was given back left it locked, and a
+    later release of a lease taken on it waited for it for ever."""
+    rl = make_redlock(masters, node_timeout=0.05)
+    lease = rl.acquire("k", 60)
+    assert lease._lane.lock.acquire(blocking=False)  # as if never given back
+    started = time.monotonic()
+    assert lease.release()  # on a fresh lane, after 8 * node_timeout + 1 s
+    assert time.monotonic() - started < 5
+    for server in masters:
+        assert "redlock:{k}" not in keys_on(server)
