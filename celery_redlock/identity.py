@@ -12,7 +12,7 @@
 * **Per-call options** travel with the message in the :data:`OPTIONS_HEADER` header
   (:func:`encode_call_options`, :func:`decode_call_options`), so a contention reschedule
   or a ``retry()`` (both copy the request's headers) keeps them.
-* **Clearing** one task's lock or marker by hand (:func:`force_delete`).
+* **Clearing** one task's lock or marker by hand (:meth:`.Redlock.force_delete`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kombu.serialization import dumps, loads
 
 from .keys import MAX_KEY_LENGTH
-from .lock import Redlock
 from .redact import guard
 
 __all__ = [
@@ -36,7 +35,6 @@ __all__ = [
     "decode_call_options",
     "dedupe_suffix",
     "encode_call_options",
-    "force_delete",
     "message_serializer",
     "wire_arguments",
 ]
@@ -130,11 +128,3 @@ def decode_call_options(value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{OPTIONS_HEADER} header must be a JSON object, got {value!r}")
     return dict(value)
-
-
-def force_delete(redlock: Redlock, names: Iterable[str]) -> list[str]:
-    """Delete the Redis keys ``names`` on every master; return those deleted somewhere.
-
-    An operator's tool: no ownership check (see :meth:`Redlock.force_delete`).
-    """
-    return redlock.force_delete(names)

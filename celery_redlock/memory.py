@@ -208,8 +208,8 @@ class MemoryRedlock(Redlock):
             if token is None or self._meta.get(f"{name}:meta", {}).get(field) != value:
                 return False
             deleted = self._delete_if(name, token)
-            lease = self._leases.pop(name, None) if deleted else None
-        if lease is not None and lease.token == token and lease.auto_renew:
+            lease = self._orphan(name, token) if deleted else None
+        if lease is not None:
             lease._lose("its key was deleted by another process's release")
         return deleted
 
@@ -230,8 +230,8 @@ class MemoryRedlock(Redlock):
         name = self.lock_key(key)
         with self._mutex:
             deleted = self._delete_if(name, token)
-            lease = self._leases.pop(name, None) if deleted else None
-        if lease is not None and lease.token == token and lease.auto_renew:
+            lease = self._orphan(name, token) if deleted else None
+        if lease is not None:
             lease._lose("its key was deleted by another process's release")
         return deleted
 
@@ -253,17 +253,21 @@ class MemoryRedlock(Redlock):
             for name in present:
                 entry = self._values.pop(name, None)
                 self._meta.pop(name, None)
-                lease = self._leases.pop(name, None)
-                if (
-                    lease is not None
-                    and lease.auto_renew
-                    and entry is not None
-                    and entry[0] == lease.token
-                ):
+                lease = self._orphan(name, entry[0]) if entry is not None else None
+                if lease is not None:
                     lost.append(lease)
         for lease in lost:
             lease._lose("its key was deleted (clear_lock / force_delete)")
         return sorted(present)
+
+    def _orphan(self, name: str, token: str) -> Lease | None:
+        """The auto-renewed lease of lock ``name`` with ``token``, whose key was just
+        deleted by some other way than its own release, for the caller to make lost
+        outside ``_mutex`` (as the Redis backend's next renewal would); under ``_mutex``."""
+        lease = self._leases.pop(name, None)
+        if lease is not None and lease.token == token and lease.auto_renew:
+            return lease
+        return None
 
     def _exists(self, name: str) -> bool:
         # Under _mutex.

@@ -48,7 +48,6 @@ from .identity import (
     decode_call_options,
     dedupe_suffix,
     encode_call_options,
-    force_delete,
     message_serializer,
     wire_arguments,
 )
@@ -547,7 +546,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         key = self._publish_key(self.redlock_options(), args, kwargs, {})
         redlock = redlock_for(self.app)
         prefix = redlock.key_prefix
-        return force_delete(redlock, [redis_key(prefix, key), redis_key(prefix, key, "meta")])
+        return redlock.force_delete([redis_key(prefix, key), redis_key(prefix, key, "meta")])
 
     def clear_dedupe(self, *args: Any, **kwargs: Any) -> list[str]:
         """Force-delete this task's dedupe marker for these arguments (its queued job stays
@@ -555,7 +554,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         :meth:`clear_lock` does."""
         key = self._publish_key(self.redlock_options(), args, kwargs, {})
         redlock = redlock_for(self.app)
-        return force_delete(redlock, [redis_key(redlock.key_prefix, key, self.dedupe_suffix())])
+        return redlock.force_delete([redis_key(redlock.key_prefix, key, self.dedupe_suffix())])
 
     def _publish_key(
         self,

@@ -6,17 +6,14 @@ a bound, never a traceback or a hang."""
 from __future__ import annotations
 
 import contextlib
-import select
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import hiredis
 import pytest
 
 from celery_redlock import Redlock, admin
 from celery_redlock.testing import Masters
+from tests.core.test_masters import FakeMaster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -29,61 +26,8 @@ def _int_everything(command: list[bytes]) -> bytes:
     return b":1\r\n"
 
 
-class _FakeMaster:
-    """A TCP server on a free loopback port answering each command with ``answer``; with
-    ``trickle``, every command but PING gets the header of a 100 MB reply, then a byte
-    every 0.1 s, for ever."""
-
-    def __init__(self, answer: Callable[[list[bytes]], bytes], *, trickle: bool = False) -> None:
-        self.answer, self.trickle = answer, trickle
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        readers: dict[socket.socket, hiredis.Reader] = {}
-        dribbling: set[socket.socket] = set()
-        while not self.stopping.is_set():
-            ready, _, _ = select.select([self.listener, *readers], [], [], 0.1)
-            for conn in dribbling:
-                with contextlib.suppress(OSError):
-                    conn.send(b"x")
-            for sock in ready:
-                if sock is self.listener:
-                    conn, _ = sock.accept()
-                    readers[conn] = hiredis.Reader()
-                    continue
-                data = b""
-                with contextlib.suppress(OSError):
-                    data = sock.recv(65536)
-                if not data:
-                    readers.pop(sock, None)
-                    dribbling.discard(sock)
-                    sock.close()
-                    continue
-                readers[sock].feed(data)
-                out = b""
-                while (command := readers[sock].gets()) is not False:
-                    if self.trickle and command[0].upper() != b"PING":
-                        out += b"$100000000\r\n"
-                        dribbling.add(sock)
-                        break
-                    out += self.answer(command)
-                with contextlib.suppress(OSError):
-                    sock.sendall(out)
-        for conn in readers:
-            conn.close()
-        self.listener.close()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-
-
 @contextlib.contextmanager
-def _beside(masters: Masters, fake: _FakeMaster) -> Iterator[Redlock]:
+def _beside(masters: Masters, fake: FakeMaster) -> Iterator[Redlock]:
     redlock = Redlock([*masters.urls[:2], fake.url])
     try:
         yield redlock
@@ -100,7 +44,7 @@ def test_each_tool_reports_a_misbehaving_master_and_serves_the_others(
     good = Redlock(masters.urls[:2])
     good.acquire("gone:1", 60)  # left held: clear deletes it
     good.close()
-    fake = _FakeMaster(_int_everything, trickle=trickle)
+    fake = FakeMaster(_int_everything, trickle=trickle)
     expected = "no complete reply within 0.5s" if trickle else "unexpected reply"
     with _beside(masters, fake) as redlock:
         started = time.monotonic()

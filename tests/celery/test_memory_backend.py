@@ -7,6 +7,7 @@ between processes) unless forced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -43,13 +44,27 @@ def memory_app(**conf: Any) -> Celery:
     return app
 
 
+@contextlib.contextmanager
+def _reset_after(app: Celery) -> Iterator[Celery]:
+    try:
+        yield app
+    finally:
+        reset_clients()
+        reset_settings()
+        app.close()
+
+
 @pytest.fixture
 def eager_app() -> Iterator[Celery]:
-    app = memory_app(task_always_eager=True)
-    yield app
-    reset_clients()
-    reset_settings()
-    app.close()
+    with _reset_after(memory_app(task_always_eager=True)) as app:
+        yield app
+
+
+@pytest.fixture
+def published_app() -> Iterator[Celery]:
+    """A memory-backend app whose publishes go to its in-memory broker (not eager)."""
+    with _reset_after(memory_app()) as app:
+        yield app
 
 
 def test_eager_delay_runs_without_any_master(eager_app: Celery) -> None:
@@ -273,53 +288,45 @@ def test_bad_backend_value_is_refused() -> None:
     app.close()
 
 
-def test_clear_lock_and_clear_dedupe_delete_on_the_memory_backend() -> None:
+def test_clear_lock_and_clear_dedupe_delete_on_the_memory_backend(published_app: Celery) -> None:
     """Review r10: both returned ``[]`` and left the lock and the marker in place (they
     looped over the Redis masters, of which the memory backend has none): the next
     identical publish was folded into a job that would never run."""
-    app = memory_app()
-    try:
+    app = published_app
 
-        @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
-        def job(n: int) -> int:
-            return n
+    @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
+    def job(n: int) -> int:
+        return n
 
-        rl = redlock_for(app)
-        lease = rl.acquire("acct:1", 30, meta={"task_id": "running"})
-        assert job.clear_lock(1) == ["redlock:{acct:1}", "redlock:{acct:1}:meta"]
-        assert not rl.locked("acct:1")
-        assert not lease.owned()
-        rl.claim("acct:2", job.dedupe_suffix(), "queued-id", 3600)
-        assert job.clear_dedupe(2) == [f"redlock:{{acct:2}}:{job.dedupe_suffix()}"]
-        assert job.delay(2).id != "queued-id"  # published, not folded into the old marker
-        assert job.clear_lock(3) == []  # nothing there
-    finally:
-        reset_clients()
-        reset_settings()
-        app.close()
+    rl = redlock_for(app)
+    lease = rl.acquire("acct:1", 30, meta={"task_id": "running"})
+    assert job.clear_lock(1) == ["redlock:{acct:1}", "redlock:{acct:1}:meta"]
+    assert not rl.locked("acct:1")
+    assert not lease.owned()
+    rl.claim("acct:2", job.dedupe_suffix(), "queued-id", 3600)
+    assert job.clear_dedupe(2) == [f"redlock:{{acct:2}}:{job.dedupe_suffix()}"]
+    assert job.delay(2).id != "queued-id"  # published, not folded into the old marker
+    assert job.clear_lock(3) == []  # nothing there
 
 
-def test_the_holder_reads_of_revoke_and_killed_child_release_work_on_the_memory_backend() -> None:
+def test_the_holder_reads_of_revoke_and_killed_child_release_work_on_the_memory_backend(
+    published_app: Celery,
+) -> None:
     """Review r10: ``holder``, ``owned_by`` and ``release_token`` (revoke, a killed pool
     child's release, the acks_late own-run check) raised AttributeError here."""
-    app = memory_app()
-    try:
-        rl = redlock_for(app)
-        lease = rl.acquire("acct:1", 30, meta={"task_id": "t1", "host": "w1"})
-        assert rl.holder("acct:1", ("task_id", "host")) == (
-            lease.token,
-            {"task_id": "t1", "host": "w1"},
-        )
-        assert rl.owned_by("acct:1", "task_id", "t1")
-        assert not rl.owned_by("acct:1", "task_id", "t2")
-        assert not rl.release_token("acct:1", "not-the-token")
-        assert rl.release_token("acct:1", lease.token)
-        assert rl.holder("acct:1", ("task_id",)) is None
-        assert not rl.owned_by("acct:1", "task_id", "t1")
-    finally:
-        reset_clients()
-        reset_settings()
-        app.close()
+    app = published_app
+    rl = redlock_for(app)
+    lease = rl.acquire("acct:1", 30, meta={"task_id": "t1", "host": "w1"})
+    assert rl.holder("acct:1", ("task_id", "host")) == (
+        lease.token,
+        {"task_id": "t1", "host": "w1"},
+    )
+    assert rl.owned_by("acct:1", "task_id", "t1")
+    assert not rl.owned_by("acct:1", "task_id", "t2")
+    assert not rl.release_token("acct:1", "not-the-token")
+    assert rl.release_token("acct:1", lease.token)
+    assert rl.holder("acct:1", ("task_id",)) is None
+    assert not rl.owned_by("acct:1", "task_id", "t1")
 
 
 def test_a_runs_lease_follows_its_ttl_when_the_body_extends_it(eager_app: Celery) -> None:
@@ -339,46 +346,40 @@ def test_a_runs_lease_follows_its_ttl_when_the_body_extends_it(eager_app: Celery
     assert after == pytest.approx(1.04 / 3)
 
 
-def test_a_lease_whose_lock_clear_lock_deleted_is_lost_on_the_memory_backend() -> None:
+def test_a_lease_whose_lock_clear_lock_deleted_is_lost_on_the_memory_backend(
+    published_app: Celery,
+) -> None:
     """Review r11: on the memory backend a cleared lock's lease still read held, and
     ``lock_lost`` never came (its renewal never fails: there is no network), so a second
     holder and the first both read held."""
-    app = memory_app()
-    try:
+    app = published_app
 
-        @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
-        def job(n: int) -> int:
-            return n
+    @app.task(base=SingletonTask, lock_key="acct:{n}", shared=False)
+    def job(n: int) -> int:
+        return n
 
-        rl = redlock_for(app)
-        first = rl.acquire("acct:1", 30, auto_renew=True)
-        lost = threading.Event()
-        first.on_lost(lambda lease: lost.set())
-        assert job.clear_lock(1) == ["redlock:{acct:1}"]
-        assert lost.wait(5)
-        assert not first.held
-        second = rl.acquire("acct:1", 30)
-        assert second.held
-        assert not first.held
-    finally:
-        reset_clients()
-        reset_settings()
-        app.close()
+    rl = redlock_for(app)
+    first = rl.acquire("acct:1", 30, auto_renew=True)
+    lost = threading.Event()
+    first.on_lost(lambda lease: lost.set())
+    assert job.clear_lock(1) == ["redlock:{acct:1}"]
+    assert lost.wait(5)
+    assert not first.held
+    second = rl.acquire("acct:1", 30)
+    assert second.held
+    assert not first.held
 
 
-def test_a_lease_released_by_another_process_is_lost_on_the_memory_backend() -> None:
+def test_a_lease_released_by_another_process_is_lost_on_the_memory_backend(
+    published_app: Celery,
+) -> None:
     """Review r13: ``release_token`` and ``release_owned_by`` (revoke, a killed child's
     release) deleted the key but left its lease reading held, beside a second holder."""
-    app = memory_app()
-    try:
-        rl = redlock_for(app)
-        first = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t1"})
-        assert rl.release_token("acct:1", first.token)
-        wait_for(lambda: not first.held, timeout=5, message="first lease lost")
-        second = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t2"})
-        assert rl.release_owned_by("acct:1", "task_id", "t2")
-        wait_for(lambda: not second.held, timeout=5, message="second lease lost")
-    finally:
-        reset_clients()
-        reset_settings()
-        app.close()
+    app = published_app
+    rl = redlock_for(app)
+    first = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t1"})
+    assert rl.release_token("acct:1", first.token)
+    wait_for(lambda: not first.held, timeout=5, message="first lease lost")
+    second = rl.acquire("acct:1", 30, auto_renew=True, meta={"task_id": "t2"})
+    assert rl.release_owned_by("acct:1", "task_id", "t2")
+    wait_for(lambda: not second.held, timeout=5, message="second lease lost")

@@ -81,8 +81,11 @@ class FakeMaster:
     One thread serves every connection; :meth:`close` stops it and drops them.
     """
 
-    def __init__(self, answer: Callable[[list[bytes]], bytes]) -> None:
+    def __init__(self, answer: Callable[[list[bytes]], bytes], *, trickle: bool = False) -> None:
         self.answer = answer
+        #: every command but PING gets the header of a 100 MB reply, then a byte every
+        #: 0.05 s for ever (a reply whose each read is quick and whose whole never comes)
+        self.trickle = trickle
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -92,9 +95,13 @@ class FakeMaster:
 
     def _serve(self) -> None:
         conns: dict[socket.socket, hiredis.Reader] = {}
+        dribbling: set[socket.socket] = set()
         try:
             while not self._stop.is_set():
                 readable, _, _ = select.select([self.listener, *conns], [], [], 0.05)
+                for conn in dribbling:
+                    with contextlib.suppress(OSError):
+                        conn.send(b"x")
                 for sock in readable:
                     if sock is self.listener:
                         conn, _ = sock.accept()
@@ -105,6 +112,7 @@ class FakeMaster:
                         data = sock.recv(65536)
                     if not data:
                         del conns[sock]
+                        dribbling.discard(sock)
                         sock.close()
                         continue
                     out = b""
@@ -114,6 +122,10 @@ class FakeMaster:
                         reader = conns[sock]
                         reader.feed(data)
                         while (command := reader.gets()) is not False:
+                            if self.trickle and command[0].upper() != b"PING":
+                                out += b"$100000000\r\n"
+                                dribbling.add(sock)
+                                break
                             out += self.answer(command)
                     with contextlib.suppress(OSError):
                         sock.sendall(out)
