@@ -775,10 +775,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         confirmed: bool | None = None
         # The lease is forgotten only once released: an exception (a signal's) between
         # the two would otherwise leave it held, renewed, and known to nobody.
-        if wait:
-            confirmed = lease.release()
-        else:
+        try:
+            if wait:
+                confirmed = lease.release()
+            else:
+                lease.release(wait=False)
+        except BaseException:
+            # Cut short (a soft time limit landing here): sent once more, unawaited, or
+            # the lock would stand for its TTL held by nobody.
             lease.release(wait=False)
+            request.redlock_lease = None
+            raise
         request.redlock_lease = None
         if signals.lock_released.receivers:
             signals.lock_released.send(

@@ -60,6 +60,7 @@ class Lease:
         "_loss_reported",
         "_mutex",
         "_pid",
+        "_release_unsent",
         "_renew_every_default",
         "_renew_fragment",
         "_state",
@@ -116,6 +117,9 @@ class Lease:
         self._state = HELD
         #: a lost callback logs the loss itself (see on_lost): _lose does not repeat it
         self._loss_reported = False
+        #: a release was started and may not have been written (an exception, a signal's,
+        #: cut it short): a later release() or the block's exit sends it again
+        self._release_unsent = False
         self._fence: int | None = None
         #: (proposal, replies, late slots, quarantined) when the acquire round also
         #: committed a fence; checked on first read of :attr:`fence`
@@ -257,10 +261,21 @@ class Lease:
             logger.debug("not releasing %r: it belongs to process %d", self.key, self._pid)
             return False
         with self._mutex:
-            if self._state == RELEASED:
+            if self._state == RELEASED and not self._release_unsent:
                 return False
             self._state = RELEASED
-        return self.redlock._release(self, wait=wait)[0]
+            self._release_unsent = True
+        return self._send_release(wait)[0]
+
+    def _send_release(self, wait: bool = True) -> tuple[bool, bool]:
+        """Release on the masters. An exception that cuts this short (a soft time limit,
+        a revoke's signal) leaves ``_release_unsent`` set, so the release is sent again
+        by the next :meth:`release` or the block's exit instead of the lock standing,
+        held by nobody, for its TTL. Releasing by token twice never touches another
+        holder's lock."""
+        outcome = self.redlock._release(self, wait=wait)
+        self._release_unsent = False
+        return outcome
 
     def on_lost(self, callback: LostCallback, *, reports_loss: bool = False) -> None:
         """Call ``callback(lease)`` once if the lease is lost while held.
@@ -354,7 +369,11 @@ class Lease:
         that released the lease itself ends quietly. When the block is already raising,
         the loss is logged (and noted on that exception) but never replaces it.
         """
-        if self._state == RELEASED or self._pid != process.pid():
+        if self._pid != process.pid():
+            return
+        if self._state == RELEASED:
+            if self._release_unsent:  # a release() in the block was cut short
+                self._send_release()
             return
         was_held = self.held
         reason = self.lost_reason or "its validity ran out"
@@ -362,7 +381,8 @@ class Lease:
             if self._state == RELEASED:
                 return
             self._state = RELEASED
-        _, refused = self.redlock._release(self)
+            self._release_unsent = True
+        _, refused = self._send_release()
         if was_held and not refused:
             return
         if was_held:

@@ -66,50 +66,38 @@ class AcquireArguments(NamedTuple):
     fields: dict[str, str]
 
 
-class _UndoIfInterrupted:
-    """Inside a lane, around a round that may take something on the masters (an acquire,
-    a claim): if an exception escapes it (a soft time limit's, a revoke's or a
-    ``KeyboardInterrupt``, raised by a signal handler while the round waits), what the
-    round may have taken is undone, and the lane's connections are closed.
+def _undo_interrupted(lane: Lane, undo: Callable[[], bytes], kind: type[BaseException]) -> None:
+    """An exception (a soft time limit's, a revoke's or a ``KeyboardInterrupt``, raised by
+    a signal handler while a round waits) escaped a round that may take something on the
+    masters (an acquire, a claim): undo what it may have taken, and close the lane's
+    connections.
 
     The undo is written behind the command on each connection, so a master runs it after
     the command, and the connection is then closed (the master still runs what it has
     read; the replies are not waited for, so a command written without a slot for its
     reply is undone too). A connection on which a command may be partly written is only
-    closed: the master drops a partial command. Without this, an interrupted acquire's keys stood on
-    the masters for their whole TTL, held by nobody.
+    closed: the master drops a partial command. Without this, an interrupted acquire's
+    keys stood on the masters for their whole TTL, held by nobody.
+
+    Called from an ``except`` clause, not a context manager's ``__exit__``: the success
+    path then calls no Python function after the round, where a signal's exception could
+    land past the guard with the lock taken (see :meth:`Redlock._try_acquire`).
     """
-
-    __slots__ = ("lane", "undo")
-
-    def __init__(self, lane: Lane, undo: Callable[[], bytes]) -> None:
-        self.lane = lane
-        self.undo = undo
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if kind is None:
-            return
-        payload: bytes | None = None
-        for link in self.lane.links:
-            if link.sock is None:
-                continue
-            if not link.partial:
-                try:
-                    payload = payload or self.undo()
-                    link.send(payload, 1)
-                except Exception:  # noqa: BLE001 - best effort, the link closes anyway
-                    logger.debug("could not send the undo to %s", link.master.name)
-            link.close()
-        logger.warning(
-            "a lock operation was interrupted (%s); what it may have taken on the masters "
-            "is undone",
-            kind.__name__,
-        )
+    payload: bytes | None = None
+    for link in lane.links:
+        if link.sock is None:
+            continue
+        if not link.partial:
+            try:
+                payload = payload or undo()
+                link.send(payload, 1)
+            except Exception:  # noqa: BLE001 - best effort, the link closes anyway
+                logger.debug("could not send the undo to %s", link.master.name)
+        link.close()
+    logger.warning(
+        "a lock operation was interrupted (%s); what it may have taken on the masters is undone",
+        kind.__name__,
+    )
 
 
 class Redlock:
@@ -281,13 +269,14 @@ class Redlock:
             meta_args += [field, value]
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         attempt = 0
+        box: list[Lease] = []
         while True:
             try:
                 # A fresh token per attempt: the undo of a failed attempt (queued on its
                 # lane's connections, which may deliver it late) can then only ever delete
                 # that attempt's own key, never the one a later attempt won.
                 lease = self._try_acquire(
-                    key, process.token_hex(), ttl, meta_args, checked.renew_every, max_hold
+                    key, process.token_hex(), ttl, meta_args, checked.renew_every, max_hold, box
                 )
                 break
             except (LockContended, QuorumUnavailable):
@@ -301,6 +290,12 @@ class Redlock:
                         raise
                     pause = min(pause, left)
                 time.sleep(pause)
+            except BaseException:
+                # Won, then interrupted on its way out (a signal's exception as the lane
+                # was given back): nobody else would ever release it.
+                if box:
+                    box[0].release(wait=False)
+                raise
         try:
             lease._renew_every_default = checked.renew_every_default
             self._granted(ttl)
@@ -308,7 +303,7 @@ class Redlock:
                 lease.auto_renew = True
                 self._engine().add(lease)
         except BaseException:
-            # Interrupted (see _UndoIfInterrupted) before the caller has the lease: nobody
+            # Interrupted (see _undo_interrupted) before the caller has the lease: nobody
             # would release it, and the renewal engine might keep it for ever.
             lease.release(wait=False)
             raise
@@ -412,8 +407,17 @@ class Redlock:
             renew_every=renew_every,
             meta=meta,
         )
-        with lease:  # Lease.__exit__ raises LockLost when it was lost inside the block
+        # Not ``with lease:``: an exception (a signal's) landing as Lease.__enter__ is
+        # called would leave the lease unreleased, and an auto-renewed one renewed for as
+        # long as the process lives. This try starts right as acquire() returns; and a
+        # generator closed before it resumes (contextlib's __enter__ interrupted after
+        # the yield) runs the except clause with GeneratorExit.
+        try:
             yield lease
+        except BaseException as exc:
+            lease.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        lease.__exit__(None, None, None)  # raises LockLost when it was lost inside the block
 
     def close(self) -> None:
         """Close every connection (leases still held simply expire)."""
@@ -592,65 +596,87 @@ class Redlock:
         # next attempt's claim, as one connection keeps commands in order. On another
         # lane a late undo could delete the claim a later attempt counted as won.
         first: Lane | None = None
-        for attempt in range(4):
-            with (
-                self._lane(first) as lane,
-                _UndoIfInterrupted(lane, lambda: scripts.UNCLAIM.call(1, name, value)),
-            ):
-                first = lane
-                quarantined = self._quarantined(self._clock())
+        unclaim = lambda: scripts.UNCLAIM.call(1, name, value)  # noqa: E731
+        created = False
+        try:
+            for attempt in range(4):
+                lane = self._lane(first)
+                try:
+                    try:
+                        first = lane
+                        quarantined = self._quarantined(self._clock())
 
-                def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
-                    votes: dict[object, int] = {}
-                    for i, x in enumerate(r.replies):
-                        if x is not None and i not in quarantined:
-                            h = holder_of(x)
-                            votes[h] = votes.get(h, 0) + 1
-                    return any(c >= q for h, c in votes.items() if h is not None)
+                        def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
+                            votes: dict[object, int] = {}
+                            for i, x in enumerate(r.replies):
+                                if x is not None and i not in quarantined:
+                                    h = holder_of(x)
+                                    votes[h] = votes.get(h, 0) + 1
+                            return any(c >= q for h, c in votes.items() if h is not None)
 
-                payloads = [None if i in quarantined else payload for i in range(n)]
-                result = self._round(lane, payloads, decided, valid=_claim_replies)
-                votes: dict[bytes, int] = {}
-                fresh = 0
-                for i, x in enumerate(result.replies):
-                    h = None if x is None or i in quarantined else holder_of(x)
-                    if h is not None:
-                        votes[h] = votes.get(h, 0) + 1
-                        fresh += x is not None and x[0] == 1
-                winner = next((h for h, c in votes.items() if c >= q), None)
-                if winner == ours:
-                    guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
-                    if guarded:
-                        self._granted(guarded)
-                    return value, fresh >= q
-                mine = {
-                    i
-                    for i, x in enumerate(result.replies)
-                    if x is not None and holder_of(x) == ours
-                }
-                mine |= {i for i in result.errors if lane.links[i].connected} | result.not_waited
-                if mine:
-                    undo = (scripts.UNCLAIM.call(1, name, value), 1)
-                    # Lost to another claimant: nothing of ours follows the undo, and
-                    # later commands on these connections run after it, so it is not
-                    # waited for (a slow master would otherwise cost every lost claim
-                    # its round trip: a worker's consumer dropping duplicates stalled).
-                    self._round(
-                        lane,
-                        [undo if i in mine else None for i in range(n)],
-                        wait=winner is None,
+                        payloads = [None if i in quarantined else payload for i in range(n)]
+                        result = self._round(lane, payloads, decided, valid=_claim_replies)
+                        votes: dict[bytes, int] = {}
+                        fresh = 0
+                        for i, x in enumerate(result.replies):
+                            h = None if x is None or i in quarantined else holder_of(x)
+                            if h is not None:
+                                votes[h] = votes.get(h, 0) + 1
+                                fresh += x is not None and x[0] == 1
+                        winner = next((h for h, c in votes.items() if c >= q), None)
+                        if winner == ours:
+                            guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
+                            if guarded:
+                                self._granted(guarded)
+                            created = fresh >= q
+                            return value, created
+                        mine = {
+                            i
+                            for i, x in enumerate(result.replies)
+                            if x is not None and holder_of(x) == ours
+                        }
+                        mine |= {
+                            i for i in result.errors if lane.links[i].connected
+                        } | result.not_waited
+                        if mine:
+                            undo = (scripts.UNCLAIM.call(1, name, value), 1)
+                            # Lost to another claimant: nothing of ours follows the undo, and
+                            # later commands on these connections run after it, so it is not
+                            # waited for (a slow master would otherwise cost every lost claim
+                            # its round trip: a worker's consumer dropping duplicates stalled).
+                            self._round(
+                                lane,
+                                [undo if i in mine else None for i in range(n)],
+                                wait=winner is None,
+                            )
+                    except BaseException as exc:
+                        _undo_interrupted(lane, unclaim, type(exc))
+                        raise
+                finally:
+                    # Unlocked here rather than by Lane.__exit__ (see _try_acquire).
+                    lane.lock.release()
+                    lane.idle_since = self._clock()
+                if winner is not None:
+                    return winner.decode(), False
+                if sum(votes.values()) < q:
+                    raise QuorumUnavailable(
+                        f"only {sum(votes.values())} of {n} masters answered the claim {name!r}, "
+                        f"{q} needed",
+                        key,
+                        self.master_names,
+                        self._errors(result),
                     )
-            if winner is not None:
-                return winner.decode(), False
-            if sum(votes.values()) < q:
-                raise QuorumUnavailable(
-                    f"only {sum(votes.values())} of {n} masters answered the claim {name!r}, "
-                    f"{q} needed",
-                    key,
-                    self.master_names,
-                    self._errors(result),
-                )
-            time.sleep(full_jitter(attempt, RETRY_BASE, RETRY_CAP))
+                time.sleep(full_jitter(attempt, RETRY_BASE, RETRY_CAP))
+        except BaseException as exc:
+            if created and first is not None:
+                # Won, then interrupted on its way out (a signal's exception as the lane
+                # was given back): a marker naming a job its caller never published.
+                lane = self._lane(first)
+                try:
+                    _undo_interrupted(lane, unclaim, type(exc))
+                finally:
+                    lane.lock.release()
+            raise
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
 
     def locked(self, key: str) -> bool:
@@ -940,7 +966,9 @@ class Redlock:
         meta_args: Sequence[str],
         renew_every: float,
         max_hold: float | None,
+        box: list[Lease],
     ) -> Lease:
+        """One acquire attempt; the lease it wins also goes into ``box`` (see acquire)."""
         lock_key, meta_key, fence_key = self._keys(key)
         companion_key = f"{lock_key}:{_own_suffix(meta_args[0])}"
         ttl_ms = max(1, int(ttl * 1000))
@@ -961,81 +989,92 @@ class Redlock:
         def undo_command() -> bytes:
             return scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, "")
 
-        with self._lane() as lane, _UndoIfInterrupted(lane, undo_command):
-            start = self._clock()
-            quarantined = self._quarantined(start)
-            payload = (command, 2 if proposal else 1)
-            if quarantined:
-                payloads = [None if i in quarantined else payload for i in range(n)]
-            else:
-                payloads = [payload] * n
+        lane = self._lane()
+        try:
+            try:
+                start = self._clock()
+                quarantined = self._quarantined(start)
+                payload = (command, 2 if proposal else 1)
+                if quarantined:
+                    payloads = [None if i in quarantined else payload for i in range(n)]
+                else:
+                    payloads = [payload] * n
 
-            def decided(r: RoundResult) -> bool:
-                out = quarantined
+                def decided(r: RoundResult) -> bool:
+                    out = quarantined
+                    if master_mod.restarts_seen:
+                        # A link that reconnects during the round may find its master restarted.
+                        out = quarantined | self._quarantined(self._clock())
+                    ok = held = 0
+                    for i, x in enumerate(r.replies):
+                        if x is not None and i not in out:
+                            if x[0] == 1:
+                                ok += 1
+                            else:
+                                held += 1
+                    unreachable = len(out | r.errors.keys()) if out else len(r.errors)
+                    if ok >= q:
+                        return True
+                    # Stop once winning is impossible *and* contention can be told from an
+                    # outage; stopping earlier would report a held key as unavailable.
+                    return unreachable + held > n - q and (ok + held >= q or unreachable > n - q)
+
+                result = self._round(lane, payloads, decided)
                 if master_mod.restarts_seen:
-                    # A link that reconnects during the round may find its master restarted.
-                    out = quarantined | self._quarantined(self._clock())
-                ok = held = 0
-                for i, x in enumerate(r.replies):
-                    if x is not None and i not in out:
+                    quarantined |= self._quarantined(self._clock())
+                landed: list[int] = []
+                won: list[int] = []
+                held: list[int] = []
+                for i, x in enumerate(result.replies):
+                    if x is not None:
                         if x[0] == 1:
-                            ok += 1
-                        else:
-                            held += 1
-                unreachable = len(out | r.errors.keys()) if out else len(r.errors)
-                if ok >= q:
-                    return True
-                # Stop once winning is impossible *and* contention can be told from an
-                # outage; stopping earlier would report a held key as unavailable.
-                return unreachable + held > n - q and (ok + held >= q or unreachable > n - q)
-
-            result = self._round(lane, payloads, decided)
-            if master_mod.restarts_seen:
-                quarantined |= self._quarantined(self._clock())
-            landed: list[int] = []
-            won: list[int] = []
-            held: list[int] = []
-            for i, x in enumerate(result.replies):
-                if x is not None:
-                    if x[0] == 1:
-                        landed.append(i)
-                        if i not in quarantined:
-                            won.append(i)
-                    elif i not in quarantined:
-                        held.append(i)
-            deadline = start + ttl - self._drift(ttl)
-            now = self._clock()
-            if len(won) >= q and now < deadline:
-                lease = Lease(
-                    self,
-                    key,
-                    token,
-                    ttl,
-                    deadline=deadline,
-                    acquired_at=start,
-                    lane=lane,
-                    renew_every=renew_every,
-                    max_hold=max_hold,
-                    auto_renew=False,
-                )
-                if proposal:
-                    lease._eager_fence = (proposal, result.replies, result.late, quarantined)
-                return lease
-            # Failed: undo wherever our SET may have landed. On a master that did
-            # not answer, the release is queued behind the SET on the same link.
-            undo = set(landed) | {i for i in result.errors if lane.links[i].connected}
-            undo |= result.not_waited
-            if undo:
-                release = (
-                    scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""),
-                    1,
-                )
-                won_set = set(landed)
-                self._round(
-                    lane,
-                    [release if i in undo else None for i in range(n)],
-                    lambda r: all(r.replies[i] is not None or i in r.errors for i in won_set),
-                )
+                            landed.append(i)
+                            if i not in quarantined:
+                                won.append(i)
+                        elif i not in quarantined:
+                            held.append(i)
+                deadline = start + ttl - self._drift(ttl)
+                now = self._clock()
+                if len(won) >= q and now < deadline:
+                    lease = Lease(
+                        self,
+                        key,
+                        token,
+                        ttl,
+                        deadline=deadline,
+                        acquired_at=start,
+                        lane=lane,
+                        renew_every=renew_every,
+                        max_hold=max_hold,
+                        auto_renew=False,
+                    )
+                    box.append(lease)  # first, before anything a signal could interrupt
+                    if proposal:
+                        lease._eager_fence = (proposal, result.replies, result.late, quarantined)
+                    return lease
+                # Failed: undo wherever our SET may have landed. On a master that did
+                # not answer, the release is queued behind the SET on the same link.
+                undo = set(landed) | {i for i in result.errors if lane.links[i].connected}
+                undo |= result.not_waited
+                if undo:
+                    release = (
+                        scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""),
+                        1,
+                    )
+                    won_set = set(landed)
+                    self._round(
+                        lane,
+                        [release if i in undo else None for i in range(n)],
+                        lambda r: all(r.replies[i] is not None or i in r.errors for i in won_set),
+                    )
+            except BaseException as exc:
+                _undo_interrupted(lane, undo_command, type(exc))
+                raise
+        finally:
+            # Unlocked here rather than by Lane.__exit__: no Python call (where a signal's
+            # exception could land first) stands between a won round and the unlock.
+            lane.lock.release()
+            lane.idle_since = self._clock()
         extra = dict.fromkeys(quarantined, "kept out after a restart")
         if len(won) >= q:
             raise QuorumUnavailable(

@@ -366,6 +366,45 @@ def test_an_exception_between_acquire_and_body_releases_the_lock(
     assert len(recorder.spans) == 1
 
 
+def test_a_release_cut_short_at_the_end_of_a_run_is_sent_again(
+    env: CeleryEnv, make_app: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r14: a soft time limit landing in the run's final release, before its
+    command was written, left the lock on the masters for its whole TTL, held by nobody
+    (the lease read released, so nothing sent it again)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from celery_redlock.lock.redlock import Redlock as Core
+
+    app = make_app()
+    original = Core._release
+    landed: list[bool] = []
+
+    def soft_limit_lands_here(self: Any, lease: Any, *, wait: bool = True) -> Any:
+        if not landed and lease.key.endswith("late:1"):
+            landed.append(True)
+            raise SoftTimeLimitExceeded()
+        return original(self, lease, wait=wait)
+
+    monkeypatch.setattr(Core, "_release", soft_limit_lands_here)
+
+    @app.task(bind=True, base=SingletonTask, lock_key="late:{n}", lock_ttl=60)
+    def late(self: Any, n: int) -> int:
+        with recorder.span(self.request.id):
+            return n
+
+    lock, _ = env.lock_names("late:1")
+    with run_worker(app):
+        first = late.delay(1)
+        with pytest.raises(SoftTimeLimitExceeded):
+            first.get(timeout=10)
+        # lock_ttl is 60 s: a release left unsent keeps the key far past this.
+        wait_for(lambda: not any(env.on_masters(lock)), timeout=5, message="lock released")
+        assert late.delay(1).get(timeout=10) == 1
+    assert landed == [True]
+    assert len(recorder.spans) == 2
+
+
 def test_a_fence_the_masters_cannot_commit_reschedules_the_job(
     env: CeleryEnv,
     make_app: Any,

@@ -14,6 +14,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pytest
 
 from celery_redlock.exceptions import LockContended, LockLost, QuorumUnavailable
 from celery_redlock.lock import Redlock
+from celery_redlock.lock.lease import Lease
 from celery_redlock.testing import Masters, start_masters, wait_for
 from tests.chaos.proxy import ProxyProcess
 
@@ -419,3 +421,143 @@ def test_a_lane_left_locked_does_not_hang_a_lease_release(masters: Masters) -> N
     assert time.monotonic() - started < 5
     for server in masters:
         assert "redlock:{k}" not in keys_on(server)
+
+
+class _NextCheckAfter:
+    """A ``sys.setprofile`` hook that raises :class:`_Interrupted` at the ``nth`` point
+    where CPython could run a pending signal handler (a Python function's entry, or the
+    return of a C call) after ``code`` first returned: a soft time limit landing there."""
+
+    def __init__(self, code: Any, nth: int = 1) -> None:
+        self.code = code
+        self.left = -1  # not armed
+        self.nth = nth
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: object) -> None:
+        if self.left > 0 and event in ("call", "c_return"):
+            self.left -= 1
+            if self.left == 0:
+                self.fired = True
+                sys.setprofile(None)
+                raise _Interrupted("the soft time limit")
+        if self.left < 0 and event == "return" and frame.f_code is self.code:
+            self.left = self.nth
+
+
+def test_a_lock_block_interrupted_as_it_starts_releases(masters: Masters) -> None:
+    """Review r14: ``with rl.lock(key, ttl, auto_renew=True)`` interrupted right after
+    its acquire returned (at ``Lease.__enter__``'s entry) left the lease unreleased and
+    renewed by the heartbeat for as long as the process lived: held by nobody, every
+    other client refused."""
+    rl = make_redlock(masters)
+    other = make_redlock(masters)
+    hook = _NextCheckAfter(Redlock.acquire.__code__)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(_Interrupted), rl.lock("job", 1.0, auto_renew=True):
+            pass  # pragma: no cover - interrupted before the block
+    finally:
+        sys.setprofile(None)
+    assert hook.fired
+    # Released at once (an orphan would be renewed for ever: 3 TTLs are plenty).
+    lease = wait_for(lambda: _try(other, "job"), timeout=3, message="the key freed")
+    lease.release()
+
+
+def _try(rl: Redlock, key: str) -> Any:
+    try:
+        return rl.acquire(key, 1.0)
+    except LockContended:
+        return None
+
+
+def test_a_release_cut_short_is_sent_again(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r14: a ``release()`` cut short before its command was written (a signal
+    landing while it waited for its lane) marked the lease released; a second
+    ``release()`` did nothing and the lock stood for its TTL, held by nobody. Now the
+    next ``release()``, or the block's exit, sends it again."""
+    rl = make_redlock(masters)
+    real = rl._release
+    cuts = [1]
+
+    def cut_short(lease: Any, *, wait: bool = True) -> tuple[bool, bool]:
+        if cuts:
+            cuts.pop()
+            raise _Interrupted("the soft time limit")
+        return real(lease, wait=wait)
+
+    monkeypatch.setattr(rl, "_release", cut_short)
+    lease = rl.acquire("k", 60, auto_renew=True)
+    with pytest.raises(_Interrupted):
+        lease.release()
+    assert not lease.held
+    assert lease.release()  # sent again, and confirmed
+    assert all("redlock:{k}" not in keys_on(server) for server in masters)
+    # Inside a block: the block's exit sends it again.
+    lease = rl.acquire("k2", 60)
+    cuts.append(1)
+    with pytest.raises(_Interrupted), lease:
+        lease.release()
+    assert all("redlock:{k2}" not in keys_on(server) for server in masters)
+
+
+@pytest.mark.parametrize("nth", range(1, 9))
+def test_an_acquire_won_then_interrupted_on_its_way_out_is_released(
+    masters: Masters, nth: int
+) -> None:
+    """Review r14: an exception landing after a won round, as the round's guard and lane
+    were left (at ``Lane.__exit__``'s entry), left the lock on every master for its TTL
+    with no lease to release it, and the lane locked for good. Here it lands at each of
+    the first points after the lease is built where a signal handler can run."""
+    rl = make_redlock(masters)
+    other = make_redlock(masters)
+    rl.acquire("warm-up", 10).release()
+    hook = _NextCheckAfter(Lease.__init__.__code__, nth)
+    sys.setprofile(hook)
+    try:
+        lease = rl.acquire("job", 30, auto_renew=True)
+    except _Interrupted:
+        lease = None
+    finally:
+        sys.setprofile(None)
+    if lease is not None:  # acquire had returned before the nth point
+        assert not hook.fired
+        lease.release()
+    wait_for(
+        lambda: all("redlock:{job}" not in keys_on(server) for server in masters),
+        timeout=3,
+        message="no lock left on the masters",
+    )
+    assert not any(lane.lock.locked() for lane in rl._lanes)
+    other.acquire("job", 5).release()
+
+
+@pytest.mark.parametrize("nth", range(1, 5))
+def test_a_claim_won_then_interrupted_on_its_way_out_is_undone(masters: Masters, nth: int) -> None:
+    """Review r14 (the claim's side of the same window): a claim won, then interrupted as
+    its lane was given back, left a marker naming a job its caller never published;
+    identical publishes were folded into it until the marker expired (lost jobs)."""
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "x", 10, guard_for=0)
+    hook = _NextCheckAfter(Redlock._granted.__code__, nth)
+    sys.setprofile(hook)
+    try:
+        got: Any = rl.claim("k", "dedupe:t", "job-1", 3600)
+    except _Interrupted:
+        got = None
+    finally:
+        sys.setprofile(None)
+    if got is not None:
+        assert not hook.fired
+        assert got == ("job-1", True)
+        return
+    wait_for(
+        lambda: all("redlock:{k}:dedupe:t" not in keys_on(server) for server in masters),
+        timeout=3,
+        message="no marker left on the masters",
+    )
+    assert not any(lane.lock.locked() for lane in rl._lanes)
+    assert rl.claim("k", "dedupe:t", "job-2", 3600) == ("job-2", True)
