@@ -561,3 +561,26 @@ def test_a_claim_won_then_interrupted_on_its_way_out_is_undone(masters: Masters,
     )
     assert not any(lane.lock.locked() for lane in rl._lanes)
     assert rl.claim("k", "dedupe:t", "job-2", 3600) == ("job-2", True)
+
+
+def test_an_interrupted_claim_leaves_an_earlier_claim_of_the_same_value(masters: Masters) -> None:
+    """Review r14: an interrupted claim's undo (unclaim by value) deleted the marker of the
+    same job published earlier by another caller (an explicit task_id published twice);
+    the next identical publish was then not deduplicated: the job was queued twice."""
+    a = make_redlock(masters, node_timeout=5.0)
+    b = make_redlock(masters, node_timeout=5.0)
+    c = make_redlock(masters)
+    b.acquire("warm-up", 10).release()  # connections open, scripts loaded
+    # A's marker: the job published ten seconds ago (ten seconds less to live).
+    assert a.claim("k", "dedupe:t", "job-1", 3590, guard_for=0) == ("job-1", True)
+    masters[1].pause()
+    masters[2].pause()  # B's claim waits for a quorum: the signal lands in the wait
+    try:
+        with pytest.raises(_Interrupted), _interrupt_after(0.2):
+            b.claim("k", "dedupe:t", "job-1", 3600, guard_for=0)
+    finally:
+        masters[1].resume()
+        masters[2].resume()
+    # B's undo was queued before the resume: it runs before C's claim on every master.
+    assert c.claim("k", "dedupe:t", "job-2", 3600, guard_for=0) == ("job-1", False)
+    assert all("redlock:{k}:dedupe:t" in keys_on(server) for server in masters)
