@@ -135,6 +135,10 @@ class MemoryRedlock(Redlock):
                     token = process.token_hex()
                     self._values[name] = (token, expiry)
                     self._meta[f"{name}:meta"] = checked.fields
+                    # As the Redis backend's eager fence: a key whose holders read fences
+                    # gets its fence committed in the acquire itself (it stands even if the
+                    # lock is deleted before the holder reads it).
+                    eager = self._next_fence(key) if key in self._fences else None
                     if clear_companion is not None:
                         self._delete_if(
                             self._claim_name(key, clear_companion[0]), clear_companion[1]
@@ -156,6 +160,7 @@ class MemoryRedlock(Redlock):
             auto_renew=auto_renew,
             renew_every_default=checked.renew_every_default,
         )
+        lease._fence = eager
         with self._mutex:
             if self._values.get(name, ("", 0.0))[0] == token:
                 self._leases[name] = lease
@@ -193,9 +198,13 @@ class MemoryRedlock(Redlock):
             lease.ensure_held()
             if self._get(self.lock_key(lease.key)) != lease.token:
                 raise LockLost(f"lease on {lease.key!r} is not held", lease.key, self.master_names)
-            fence = max(self._fences.get(lease.key, 0), next(self._fence_seed)) + 1
-            self._fences[lease.key] = fence
-            return fence
+            return self._next_fence(lease.key)
+
+    def _next_fence(self, key: str) -> int:
+        """Commit the next fence of ``key`` (under ``_mutex``)."""
+        fence = max(self._fences.get(key, 0), next(self._fence_seed)) + 1
+        self._fences[key] = fence
+        return fence
 
     def locked(self, key: str) -> bool:
         with self._mutex:

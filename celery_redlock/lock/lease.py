@@ -117,9 +117,11 @@ class Lease:
         self._state = HELD
         #: a lost callback logs the loss itself (see on_lost): _lose does not repeat it
         self._loss_reported = False
-        #: a release was started and may not have been written (an exception, a signal's,
-        #: cut it short): a later release() or the block's exit sends it again
-        self._release_unsent = False
+        #: the thread whose release may not have been written yet (0: none): sending, or
+        #: cut short by an exception (a signal's). That thread's next release() or block
+        #: exit sends it again; another thread's release() meanwhile is a second release
+        #: (False at once), never a second round racing the first.
+        self._release_unsent = 0
         self._fence: int | None = None
         #: (proposal, replies, late slots, quarantined) when the acquire round also
         #: committed a fence; checked on first read of :attr:`fence`
@@ -261,10 +263,10 @@ class Lease:
             logger.debug("not releasing %r: it belongs to process %d", self.key, self._pid)
             return False
         with self._mutex:
-            if self._state == RELEASED and not self._release_unsent:
+            if self._state == RELEASED and self._release_unsent != threading.get_ident():
                 return False
             self._state = RELEASED
-            self._release_unsent = True
+            self._release_unsent = threading.get_ident()
         return self._send_release(wait)[0]
 
     def _send_release(self, wait: bool = True) -> tuple[bool, bool]:
@@ -274,7 +276,7 @@ class Lease:
         held by nobody, for its TTL. Releasing by token twice never touches another
         holder's lock."""
         outcome = self.redlock._release(self, wait=wait)
-        self._release_unsent = False
+        self._release_unsent = 0
         return outcome
 
     def on_lost(self, callback: LostCallback, *, reports_loss: bool = False) -> None:
@@ -372,7 +374,7 @@ class Lease:
         if self._pid != process.pid():
             return
         if self._state == RELEASED:
-            if self._release_unsent:  # a release() in the block was cut short
+            if self._release_unsent == threading.get_ident():  # a release() cut short
                 self._send_release()
             return
         was_held = self.held
@@ -381,7 +383,7 @@ class Lease:
             if self._state == RELEASED:
                 return
             self._state = RELEASED
-            self._release_unsent = True
+            self._release_unsent = threading.get_ident()
         _, refused = self._send_release()
         if was_held and not refused:
             return

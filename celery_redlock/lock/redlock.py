@@ -596,23 +596,10 @@ class Redlock:
         # next attempt's claim, as one connection keeps commands in order. On another
         # lane a late undo could delete the claim a later attempt counted as won.
         first: Lane | None = None
-        ttl_ms = max(1, int(ttl * 1000))
-        started = time.monotonic()
-
-        def unclaim() -> bytes:
-            # An interrupted claim cannot tell whether it created the value or found it
-            # (the same job published before): only a claim with as much time left as one
-            # made since this attempt started (less node_timeout for the undo's way there)
-            # is taken for ours and deleted.
-            left = ttl_ms - int((time.monotonic() - started + self.node_timeout) * 1000)
-            if left <= 0:
-                return scripts.UNCLAIM.call(1, name, value)
-            return scripts.UNCLAIM.call(1, name, value, left)
-
+        unclaim = lambda: scripts.UNCLAIM.call(1, name, value)  # noqa: E731
         created = False
         try:
             for attempt in range(4):
-                started = time.monotonic()
                 lane = self._lane(first)
                 try:
                     try:

@@ -129,18 +129,12 @@ return current
 )
 
 #: KEYS[1] claim key.
-#: ARGV[1] value; ARGV[2] (optional) a time to live in ms the key must still have.
-#: Returns 1 when the key held exactly ARGV[1] (with at least ARGV[2] ms to live) and is
-#: now deleted, else 0. ARGV[2] lets an interrupted claim undo only a claim made as
-#: recently as its own: one with the same value made earlier by another caller (the same
-#: job published twice) has less time left and stays.
+#: ARGV[1] value.
+#: Returns 1 when the key held exactly ARGV[1] and is now deleted, else 0.
 UNCLAIM = Script(
     "unclaim",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-    if ARGV[2] and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-        return 0
-    end
     redis.call('DEL', KEYS[1])
     return 1
 end

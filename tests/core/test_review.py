@@ -563,24 +563,41 @@ def test_a_claim_won_then_interrupted_on_its_way_out_is_undone(masters: Masters,
     assert rl.claim("k", "dedupe:t", "job-2", 3600) == ("job-2", True)
 
 
-def test_an_interrupted_claim_leaves_an_earlier_claim_of_the_same_value(masters: Masters) -> None:
-    """Review r14: an interrupted claim's undo (unclaim by value) deleted the marker of the
-    same job published earlier by another caller (an explicit task_id published twice);
-    the next identical publish was then not deduplicated: the job was queued twice."""
-    a = make_redlock(masters, node_timeout=5.0)
-    b = make_redlock(masters, node_timeout=5.0)
-    c = make_redlock(masters)
-    b.acquire("warm-up", 10).release()  # connections open, scripts loaded
-    # A's marker: the job published ten seconds ago (ten seconds less to live).
-    assert a.claim("k", "dedupe:t", "job-1", 3590, guard_for=0) == ("job-1", True)
-    masters[1].pause()
-    masters[2].pause()  # B's claim waits for a quorum: the signal lands in the wait
+def test_a_release_from_another_thread_while_one_is_sending_is_a_second_release(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review r15: with r14's resend, a ``release()`` from another thread while the block's
+    own release was on its way sent a second release round; when it reached the masters
+    first, the block's exit took the refusal for a loss and raised ``LockLost``."""
+    rl = make_redlock(masters)
+    real = rl._release
+    sending = threading.Event()
+    go_on = threading.Event()
+
+    def slow_in_the_block(lease: Any, *, wait: bool = True) -> tuple[bool, bool]:
+        if threading.current_thread().name == "block":
+            sending.set()
+            assert go_on.wait(10)
+        return real(lease, wait=wait)
+
+    monkeypatch.setattr(rl, "_release", slow_in_the_block)
+    lease = rl.acquire("k", 60)
+    errors: list[BaseException] = []
+
+    def block() -> None:
+        try:
+            with lease:
+                pass
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=block, name="block")
+    thread.start()
     try:
-        with pytest.raises(_Interrupted), _interrupt_after(0.2):
-            b.claim("k", "dedupe:t", "job-1", 3600, guard_for=0)
+        assert sending.wait(10)
+        assert lease.release() is False  # a second release: nothing sent
     finally:
-        masters[1].resume()
-        masters[2].resume()
-    # B's undo was queued before the resume: it runs before C's claim on every master.
-    assert c.claim("k", "dedupe:t", "job-2", 3600, guard_for=0) == ("job-1", False)
-    assert all("redlock:{k}:dedupe:t" in keys_on(server) for server in masters)
+        go_on.set()
+        thread.join(10)
+    assert errors == []
+    assert all("redlock:{k}" not in keys_on(server) for server in masters)

@@ -52,6 +52,9 @@ class SameAnswers(RuleBasedStateMachine):
         self.real = Redlock(self.masters.urls)
         self.memory = MemoryRedlock()
         self.fences: dict[str, int] = {}
+        self.lease_fences: dict[int, int] = {}  # by id() of the memory lease
+        self.real_fences: dict[int, int] = {}  # by id() of the real lease
+        self.fenced: list[Any] = []
 
     def teardown(self) -> None:
         real = getattr(self, "real", None)
@@ -94,9 +97,19 @@ class SameAnswers(RuleBasedStateMachine):
         memory_fence = _outcome(lambda: memory.fence)
         assert real_fence[0] == memory_fence[0]
         if memory_fence[0] == "ok":
-            # Values differ (Redis seeds from the wall clock); both only grow per key.
-            assert memory_fence[1] >= self.fences.get(key, 0)
-            self.fences[key] = memory_fence[1]
+            # Values differ (Redis seeds from the wall clock). A lease's fence never
+            # changes once read; each lease's first one is above every earlier one of its
+            # key (an older lease read again keeps its older fence).
+            seen = self.lease_fences.get(id(memory))
+            if seen is not None:
+                assert memory_fence[1] == seen
+                assert real_fence[1] == self.real_fences[id(real)]
+            else:
+                assert memory_fence[1] >= self.fences.get(key, 0)
+                self.fences[key] = memory_fence[1]
+                self.lease_fences[id(memory)] = memory_fence[1]
+                self.real_fences[id(real)] = real_fence[1]
+                self.fenced.append(pair)  # alive for the run: ids stay theirs
 
     @rule(key=KEYS)
     def locked(self, key: str) -> None:
