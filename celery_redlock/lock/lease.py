@@ -262,11 +262,12 @@ class Lease:
         if self._pid != process.pid():
             logger.debug("not releasing %r: it belongs to process %d", self.key, self._pid)
             return False
+        me = threading.get_ident()
         with self._mutex:
-            if self._state == RELEASED and self._release_unsent != threading.get_ident():
+            if self._state == RELEASED and self._release_unsent != me:
                 return False
             self._state = RELEASED
-            self._release_unsent = threading.get_ident()
+            self._release_unsent = me
         return self._send_release(wait)[0]
 
     def _send_release(self, wait: bool = True) -> tuple[bool, bool]:

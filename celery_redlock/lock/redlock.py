@@ -596,7 +596,10 @@ class Redlock:
         # next attempt's claim, as one connection keeps commands in order. On another
         # lane a late undo could delete the claim a later attempt counted as won.
         first: Lane | None = None
-        unclaim = lambda: scripts.UNCLAIM.call(1, name, value)  # noqa: E731
+
+        def unclaim() -> bytes:
+            return scripts.UNCLAIM.call(1, name, value)
+
         created = False
         try:
             for attempt in range(4):
@@ -639,7 +642,7 @@ class Redlock:
                             i for i in result.errors if lane.links[i].connected
                         } | result.not_waited
                         if mine:
-                            undo = (scripts.UNCLAIM.call(1, name, value), 1)
+                            undo = (unclaim(), 1)
                             # Lost to another claimant: nothing of ours follows the undo, and
                             # later commands on these connections run after it, so it is not
                             # waited for (a slow master would otherwise cost every lost claim
@@ -1057,10 +1060,7 @@ class Redlock:
                 undo = set(landed) | {i for i in result.errors if lane.links[i].connected}
                 undo |= result.not_waited
                 if undo:
-                    release = (
-                        scripts.RELEASE.call(3, lock_key, meta_key, meta_key, token, ""),
-                        1,
-                    )
+                    release = (undo_command(), 1)
                     won_set = set(landed)
                     self._round(
                         lane,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -327,6 +328,30 @@ def test_a_retry_starts_a_new_wait_for_the_lock(
     assert len(recorder.spans) == 2
 
 
+def _soft_limit_lands_once(
+    monkeypatch: pytest.MonkeyPatch,
+    owner: type,
+    name: str,
+    where: Callable[[Any], bool] = lambda _: True,
+) -> list[bool]:
+    """Make ``owner.name`` raise ``SoftTimeLimitExceeded`` (as a soft time limit landing
+    there does) the first time it is called with a first argument ``where`` accepts;
+    returns the list that records it."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    original = getattr(owner, name)
+    landed: list[bool] = []
+
+    def soft_limit_lands_here(self: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
+        if not landed and where(first):
+            landed.append(True)
+            raise SoftTimeLimitExceeded()
+        return original(self, first, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, soft_limit_lands_here)
+    return landed
+
+
 def test_an_exception_between_acquire_and_body_releases_the_lock(
     env: CeleryEnv, make_app: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -338,16 +363,7 @@ def test_an_exception_between_acquire_and_body_releases_the_lock(
     from celery_redlock.lock.lease import Lease
 
     app = make_app()
-    original = Lease.on_lost
-    landed: list[bool] = []
-
-    def soft_limit_lands_here(self: Lease, *args: Any, **kwargs: Any) -> None:
-        if not landed:
-            landed.append(True)
-            raise SoftTimeLimitExceeded()
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Lease, "on_lost", soft_limit_lands_here)
+    landed = _soft_limit_lands_once(monkeypatch, Lease, "on_lost")
 
     @app.task(bind=True, base=SingletonTask, lock_key="early:{n}", lock_ttl=1.5)
     def early(self: Any, n: int) -> int:
@@ -377,16 +393,9 @@ def test_a_release_cut_short_at_the_end_of_a_run_is_sent_again(
     from celery_redlock.lock.redlock import Redlock as Core
 
     app = make_app()
-    original = Core._release
-    landed: list[bool] = []
-
-    def soft_limit_lands_here(self: Any, lease: Any, *, wait: bool = True) -> Any:
-        if not landed and lease.key.endswith("late:1"):
-            landed.append(True)
-            raise SoftTimeLimitExceeded()
-        return original(self, lease, wait=wait)
-
-    monkeypatch.setattr(Core, "_release", soft_limit_lands_here)
+    landed = _soft_limit_lands_once(
+        monkeypatch, Core, "_release", lambda lease: lease.key.endswith("late:1")
+    )
 
     @app.task(bind=True, base=SingletonTask, lock_key="late:{n}", lock_ttl=60)
     def late(self: Any, n: int) -> int:
