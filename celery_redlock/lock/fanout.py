@@ -23,6 +23,7 @@ at the same CPU per cycle). The caller decides when polling pays off (see
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any
 
 import redis
 
-from . import probe, waiting
+from . import probe, resolve, waiting
 from .master import Link, Slot
 from .wire import ReplyError
 
@@ -376,11 +377,22 @@ def _connect_all(
             writable = waiting.writable(list(connecting), timeout)
             for sock in writable:
                 i, conn = connecting.pop(sock)
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    # Refused, or the like: redis-py connects it (trying every address
-                    # the name resolves to) and words the error as usual.
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
                     sock.close()
-                    to_open.append((i, None))
+                    resolve.distrust(conn.host, conn.port)  # it may have moved
+                    if conn.single_address:
+                        # Worded as redis-py words it. Not redis-py's connect: it would
+                        # resolve the name again, with no deadline (see .resolve).
+                        failed(
+                            i,
+                            f"Error {error} connecting to {conn.host}:{conn.port}. "
+                            f"{os.strerror(error)}.",
+                        )
+                    else:
+                        # Refused, or the like: redis-py connects it (trying every
+                        # address the name resolves to) and words the error as usual.
+                        to_open.append((i, None))
                 else:
                     to_open.append((i, conn))
         for sock, (i, _) in list(connecting.items()):

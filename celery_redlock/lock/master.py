@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from ..exceptions import ImproperlyConfigured
 from ..redact import guard, remember_secrets_of, scrub
-from . import events, process, summary, waiting, wire
+from . import events, process, resolve, summary, waiting, wire
 from .scripts import ALL_SCRIPTS
 from .wire import ReplyError
 
@@ -158,6 +158,8 @@ class _Preconnected(redis.connection.Connection):
     """
 
     given_sock: socket.socket | None = None
+    #: the host resolved to one address: a refused connect needs no retry by redis-py
+    single_address = False
     #: what redis-py's connect would have sent and waited for one command at a time
     #: (``AUTH``, ``SELECT``, ``CLIENT SETNAME``): the link sends it ahead of its own
     #: handshake, in the same write (see :meth:`Master.start_connect`)
@@ -336,6 +338,11 @@ class Master:
         connection classes), and when the connect fails at once (a name that does not
         resolve, a refused address): redis-py then tries every address the name resolves
         to and words the error as usual.
+
+        The host name is resolved within ``node_timeout`` (:mod:`.resolve`): a name that
+        does not resolve in time raises ``TimeoutError``, and one that does not resolve
+        ``ConnectionError`` (the master counts as failed, and the probe takes over),
+        unless it resolved before, whose addresses are used.
         """
         if self._pipelined is None:  # not a plain TCP master
             return None
@@ -343,7 +350,19 @@ class Master:
         conn = _Preconnected(**kwargs)  # type: ignore[no-untyped-call]
         conn.handshake = handshake
         try:
-            infos = socket.getaddrinfo(conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM)
+            infos = resolve.resolve(
+                conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM, self.node_timeout
+            )
+        except socket.gaierror as exc:
+            # Worded as redis-py words it; not handed to redis-py, whose connect would ask
+            # the same resolver again, with no deadline.
+            raise ConnectionError(
+                f"Error {exc.errno} connecting to {conn.host}:{conn.port}. {exc.strerror}."
+            ) from exc
+        except OSError:
+            raise  # TimeoutError: not resolved within node_timeout (the probe takes over)
+        conn.single_address = len(infos) == 1
+        try:
             # The first address, unless a probe found another one answering (a name
             # whose first address drops packets would never be connected otherwise).
             good = self.good_address

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, cast
 
 import redis
 
-from . import process, wire
+from . import process, resolve, wire
 
 if TYPE_CHECKING:
     from .master import Master
@@ -127,13 +127,14 @@ def probe(master: Master) -> bool:
     payload = wire.pack(*commands, ("PING",))
     host, port = cast("tuple[str, int]", address)
     try:
-        infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        infos = resolve.resolve(host, port, 0, socket.SOCK_STREAM, master.node_timeout)
     except OSError:
         return False
     for info in infos:
         if _ping(info[0], info[4], payload, len(commands) + 1, master.node_timeout):
             master.good_address = info[4]
             return True
+    resolve.distrust(host, port)  # the next try asks the resolver again: it may have moved
     return False
 
 
