@@ -23,6 +23,7 @@ at the same CPU per cycle). The caller decides when polling pays off (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -353,6 +354,7 @@ def _connect_all(
     handshakes: dict[int, Slot] = {}
     try:
         now = clock()
+        wanted: list[int] = []
         for i, payload in enumerate(payloads):
             link = links[i]
             if payload is None or link.sock is not None:
@@ -360,8 +362,19 @@ def _connect_all(
             if link.master.probing or now < link.master.connect_after:
                 errors[i] = link.master.last_error or "not connected"
                 continue
+            wanted.append(i)
+        for i in wanted:
+            # The lookups of every name start together: names that hang cost the round
+            # one node_timeout in all, not one each (see .resolve). A failure to start
+            # one shows again, and is reported, at its connect below.
+            with contextlib.suppress(Exception):
+                links[i].master.prefetch_address()
+        # Real time: the lookups run on threads (the injectable clock may stand still).
+        resolved_by = time.monotonic() + node_timeout
+        for i in wanted:
+            link = links[i]
             try:
-                started = link.master.start_connect()
+                started = link.master.start_connect(max(0.0, resolved_by - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                 failed(i, exc)
                 continue
@@ -379,25 +392,21 @@ def _connect_all(
                 i, conn = connecting.pop(sock)
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if error:
+                    # Refused, or the like: the name's next address, within the same
+                    # deadline (not redis-py's connect, which would resolve the name
+                    # again with no deadline; see .resolve).
                     sock.close()
-                    resolve.distrust(conn.host, conn.port)  # it may have moved
-                    if conn.single_address:
-                        # Worded as redis-py words it. Not redis-py's connect: it would
-                        # resolve the name again, with no deadline (see .resolve).
-                        failed(
-                            i,
-                            f"Error {error} connecting to {conn.host}:{conn.port}. "
-                            f"{os.strerror(error)}.",
-                        )
-                    else:
-                        # Refused, or the like: redis-py connects it (trying every
-                        # address the name resolves to) and words the error as usual.
-                        to_open.append((i, None))
+                    conn.last_error = OSError(error, os.strerror(error))
+                    try:
+                        connecting[links[i].master.connect_next(conn)] = (i, conn)
+                    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+                        failed(i, exc)
                 else:
                     to_open.append((i, conn))
-        for sock, (i, _) in list(connecting.items()):
+        for sock, (i, conn) in list(connecting.items()):
             del connecting[sock]
             sock.close()
+            resolve.distrust(conn.host, conn.port)  # the master may have moved
             failed(i, f"TCP connect timed out after {node_timeout}s")
         to_open.sort(key=lambda item: item[0])
         while to_open:

@@ -158,8 +158,10 @@ class _Preconnected(redis.connection.Connection):
     """
 
     given_sock: socket.socket | None = None
-    #: the host resolved to one address: a refused connect needs no retry by redis-py
-    single_address = False
+    #: the addresses left to try, in order (see :meth:`Master.start_connect`)
+    addresses: list[tuple[Any, ...]] = []  # noqa: RUF012 - always replaced per object
+    #: why the last address tried could not be connected to
+    last_error: OSError | None = None
     #: what redis-py's connect would have sent and waited for one command at a time
     #: (``AUTH``, ``SELECT``, ``CLIENT SETNAME``): the link sends it ahead of its own
     #: handshake, in the same write (see :meth:`Master.start_connect`)
@@ -169,7 +171,11 @@ class _Preconnected(redis.connection.Connection):
         sock, self.given_sock = self.given_sock, None
         if sock is None:  # connected again later: redis-py's own way
             return super()._connect()  # type: ignore[no-untyped-call,no-any-return]
-        sock.settimeout(self.socket_timeout)
+        try:
+            sock.settimeout(self.socket_timeout)
+        except BaseException:
+            sock.close()  # nobody else holds it now (a signal's exception, say)
+            raise
         return sock
 
 
@@ -324,7 +330,19 @@ class Master:
     def new_connection(self) -> Any:
         return self._connection_class(**self._connection_kwargs)
 
-    def start_connect(self) -> tuple[Any, socket.socket] | None:
+    def prefetch_address(self) -> None:
+        """Start looking this master's host name up, without waiting (see
+        :func:`.resolve.prefetch`); nothing for masters redis-py connects itself."""
+        if self._pipelined is not None and not self.probing:
+            kwargs = self._pipelined[0]
+            resolve.prefetch(
+                kwargs.get("host", "localhost"),
+                int(kwargs.get("port", 6379)),
+                kwargs.get("socket_type", 0),
+                socket.SOCK_STREAM,
+            )
+
+    def start_connect(self, timeout: float | None = None) -> tuple[Any, socket.socket] | None:
         """Start a non-blocking TCP connect to this master, for several to run at once.
 
         Only for plain TCP masters (redis-py's ``Connection``). Returns the socket to wait
@@ -333,16 +351,18 @@ class Master:
         ``AUTH``, ``SELECT`` and ``CLIENT SETNAME`` in the same write as its handshake,
         where redis-py would wait for each in turn (so that masters which accept the
         connection but do not answer cost one ``node_timeout`` in all, password or not).
-        The socket has the options redis-py would give it. Returns
-        None for masters redis-py connects itself (TLS, unix sockets, Sentinel, other
-        connection classes), and when the connect fails at once (a name that does not
-        resolve, a refused address): redis-py then tries every address the name resolves
-        to and words the error as usual.
+        The socket has the options redis-py would give it. Returns None for masters
+        redis-py connects itself (TLS, unix sockets, Sentinel, other connection classes).
 
-        The host name is resolved within ``node_timeout`` (:mod:`.resolve`): a name that
-        does not resolve in time raises ``TimeoutError``, and one that does not resolve
-        ``ConnectionError`` (the master counts as failed, and the probe takes over),
-        unless it resolved before, whose addresses are used.
+        The host name is resolved within ``timeout`` (default ``node_timeout``; see
+        :mod:`.resolve`), or its last known addresses serve. The address a probe found
+        answering comes first, then the others in the resolver's order: when a connect
+        fails, :meth:`connect_next` starts the next one.
+
+        :raises TimeoutError: the name did not resolve in time, and never did before.
+        :raises ConnectionError: the name does not resolve, or no address could be
+            connected to at once; worded as redis-py words it. Never handed to redis-py,
+            whose connect would ask the same resolver again, with no deadline.
         """
         if self._pipelined is None:  # not a plain TCP master
             return None
@@ -351,43 +371,58 @@ class Master:
         conn.handshake = handshake
         try:
             infos = resolve.resolve(
-                conn.host, conn.port, conn.socket_type, socket.SOCK_STREAM, self.node_timeout
+                conn.host,
+                conn.port,
+                conn.socket_type,
+                socket.SOCK_STREAM,
+                self.node_timeout if timeout is None else timeout,
             )
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{conn.host} did not resolve within the connect's node_timeout "
+                f"({self.node_timeout:g}s); the lookup goes on"
+            ) from exc
         except socket.gaierror as exc:
-            # Worded as redis-py words it; not handed to redis-py, whose connect would ask
-            # the same resolver again, with no deadline.
             raise ConnectionError(
                 f"Error {exc.errno} connecting to {conn.host}:{conn.port}. {exc.strerror}."
             ) from exc
-        except OSError:
-            raise  # TimeoutError: not resolved within node_timeout (the probe takes over)
-        conn.single_address = len(infos) == 1
-        try:
-            # The first address, unless a probe found another one answering (a name
-            # whose first address drops packets would never be connected otherwise).
-            good = self.good_address
-            family, socktype, proto, _, address = next(
-                (info for info in infos if good is not None and info[4] == good), infos[0]
-            )
-            sock = socket.socket(family, socktype, proto)
-        except OSError:
-            return None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if conn.socket_keepalive:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in conn.socket_keepalive_options.items():
-                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
-            sock.setblocking(False)
-            error = sock.connect_ex(address)
-        except BaseException:
+        # A probe may have found an address answering that is not the first (the first
+        # one dropping packets would never be connected otherwise).
+        good = self.good_address
+        conn.addresses = sorted(infos, key=lambda info: info[4] != good) if good else list(infos)
+        return conn, self.connect_next(conn)
+
+    def connect_next(self, conn: Any) -> socket.socket:
+        """Start a non-blocking connect to the next address of ``conn`` (see
+        :meth:`start_connect`) that takes one; raise ``ConnectionError`` when none is left."""
+        last = conn.last_error
+        while conn.addresses:
+            family, socktype, proto, _, address = conn.addresses.pop(0)
+            try:
+                sock = socket.socket(family, socktype, proto)
+            except OSError as exc:
+                last = exc
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if conn.socket_keepalive:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    for option, value in conn.socket_keepalive_options.items():
+                        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+                sock.setblocking(False)
+                error = sock.connect_ex(address)
+            except BaseException:
+                sock.close()
+                raise
+            if error in (0, errno.EINPROGRESS):
+                conn.given_sock = sock
+                return sock
             sock.close()
-            raise
-        if error not in (0, errno.EINPROGRESS):
-            sock.close()
-            return None
-        conn.given_sock = sock
-        return conn, sock
+            last = OSError(error, os.strerror(error))
+        resolve.distrust(conn.host, conn.port)  # the master may have moved
+        why = f"Error {last.errno} connecting to" if last is not None else "No address for"
+        reason = f" {last.strerror}." if last is not None else ""
+        raise ConnectionError(f"{why} {conn.host}:{conn.port}.{reason}")
 
     def client(self) -> redis.Redis:
         """A plain redis-py client with our timeouts, for operator tools (not the hot path)."""
@@ -795,6 +830,14 @@ class Link:
             return self.send(wire.pack(*commands), len(commands))
         except BaseException:
             self.close()
+            # Before self._conn is set (an exception inside redis-py's connect, a signal's
+            # included), the socket of a connect started ahead is nobody else's to close.
+            given = getattr(conn, "given_sock", None)
+            if given is not None:
+                conn.given_sock = None
+                given.close()
+            with contextlib.suppress(Exception):
+                conn.disconnect()  # a socket redis-py's connect took before it failed
             raise
 
     def finish_handshake(self, slot: Slot, now: float) -> None:

@@ -11,9 +11,12 @@ module: 6 s, one lookup here and one in redis-py's connect, for a master whose n
 search domains apply as for any other connect) on a thread of its own and waits for it
 at most ``timeout`` seconds. A lookup that outlasts the wait goes on: one lookup per
 name at a time, whatever the number of callers, and its answer is kept for the next
-connect. An answer is used for :data:`FRESH` seconds without asking again; after that,
-when a new lookup does not finish in time, the last answer is used (a master's address
-changes far more rarely than its resolver fails). No library fits here: aiodns and
+connect. :func:`prefetch` starts the lookups of several names together, so that they
+share one wait. An answer is used for :data:`FRESH` seconds without asking again, or
+until :func:`distrust` (no address of it could be connected to); after that, when a new
+lookup does not finish in time or fails, the last answer is used (a master's address
+changes far more rarely than its resolver fails). A failed lookup stands for the name's
+next ones for :data:`FAILED_FOR` seconds. No library fits here: aiodns and
 pycares need an event loop or a channel of their own and bypass ``nsswitch.conf``, and
 the standard library's resolver has no deadline.
 
@@ -29,12 +32,15 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["FRESH", "distrust", "resolve"]
+__all__ = ["FRESH", "distrust", "prefetch", "resolve"]
 
 logger = logging.getLogger("celery_redlock.lock")
 
 #: Seconds an answer is used without asking the resolver again.
 FRESH = 30.0
+#: Seconds a failed lookup stands for the name's next ones (one lookup per name and
+#: second at most while it fails).
+FAILED_FOR = 1.0
 
 Addresses = list[tuple[Any, ...]]
 _Key = tuple[str, int, int, int]
@@ -57,6 +63,8 @@ _lock = threading.Lock()
 _answers: dict[_Key, tuple[Addresses, float]] = {}
 #: the lookup under way per name
 _under_way: dict[_Key, _Lookup] = {}
+#: the last failed lookup per name, and when it ended (reused for ``FAILED_FOR`` s)
+_failures: dict[_Key, tuple[_Lookup, float]] = {}
 #: names whose last known addresses serve while they do not resolve (logged once)
 _stale_in_use: set[str] = set()
 
@@ -68,30 +76,12 @@ def resolve(host: str, port: int, family: int, socktype: int, timeout: float) ->
         raises it), or it did not resolve within ``timeout`` and was never resolved
         before (``TimeoutError``, naming the host).
     """
-    try:
+    if _is_address(host, port, family, socktype):
         return socket.getaddrinfo(host, port, family, socktype, 0, socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass  # a name, not an address
-    key = (host, port, family, socktype)
-    with _lock:
-        known = _answers.get(key)
-        if known is not None and time.monotonic() - known[1] < FRESH:
-            return known[0]
-        lookup = _under_way.get(key)
-        if lookup is None:
-            lookup = _under_way[key] = _Lookup()
-            try:
-                threading.Thread(
-                    target=_look_up, args=(key, lookup), name="redlock-resolve", daemon=True
-                ).start()
-            except BaseException as exc:  # a signal's too: cleaned up, then re-raised
-                # No thread (a process limit, interpreter shutdown): a lookup left under
-                # way would make every later call wait for one that never ends.
-                del _under_way[key]
-                lookup.error = OSError(f"{host}: cannot start a lookup: {exc}")
-                lookup.done.set()
-                if not isinstance(exc, Exception):
-                    raise
+    known, lookup = _begin((host, port, family, socktype))
+    if lookup is None:
+        assert known is not None
+        return known[0]
     if lookup.done.wait(max(timeout, 0.0)):
         if lookup.addresses is not None:
             _recovered(host)
@@ -103,9 +93,55 @@ def resolve(host: str, port: int, family: int, socktype: int, timeout: float) ->
         _falling_back(host, f"does not resolve now ({error})")
         return known[0]
     if known is not None:
-        _falling_back(host, f"did not resolve within {timeout:g}s")
+        _falling_back(host, "did not resolve in time")
         return known[0]
-    raise TimeoutError(f"{host} did not resolve within {timeout:g}s (the lookup goes on)")
+    raise TimeoutError(f"{host} did not resolve in time (the lookup goes on)")
+
+
+def prefetch(host: str, port: int, family: int, socktype: int) -> None:
+    """Start looking ``host`` up unless an answer is fresh or a lookup is under way; do not
+    wait. Lookups of several names started this way run together, so the
+    :func:`resolve` calls that follow share one wait rather than queueing one each."""
+    if not _is_address(host, port, family, socktype):
+        _begin((host, port, family, socktype))
+
+
+def _is_address(host: str, port: int, family: int, socktype: int) -> bool:
+    """Whether ``host`` is a numeric address (no lookup). Anything else, a name that
+    is not valid included (its lookup then says why), is for the resolver."""
+    try:
+        socket.getaddrinfo(host, port, family, socktype, 0, socket.AI_NUMERICHOST)
+    except (OSError, ValueError):  # gaierror; UnicodeError for a label idna refuses
+        return False
+    return True
+
+
+def _begin(key: _Key) -> tuple[tuple[Addresses, float] | None, _Lookup | None]:
+    """The last answer for ``key`` and the lookup to wait for (None: the answer is fresh),
+    started here when none is under way."""
+    with _lock:
+        known = _answers.get(key)
+        if known is not None and time.monotonic() - known[1] < FRESH:
+            return known, None
+        lookup = _under_way.get(key)
+        if lookup is None:
+            failed = _failures.get(key)
+            if failed is not None and time.monotonic() - failed[1] < FAILED_FOR:
+                return known, failed[0]  # failed a moment ago (a prefetch's, say)
+            lookup = _under_way[key] = _Lookup()
+            try:
+                threading.Thread(
+                    target=_look_up, args=(key, lookup), name="redlock-resolve", daemon=True
+                ).start()
+            except BaseException as exc:  # a signal's too: cleaned up, then re-raised
+                # No thread (a process limit, interpreter shutdown): a lookup left under
+                # way would make every later call wait for one that never ends.
+                del _under_way[key]
+                lookup.error = OSError(f"{key[0]}: cannot start a lookup: {exc}")
+                lookup.done.set()
+                if not isinstance(exc, Exception):
+                    raise
+        return known, lookup
 
 
 def distrust(host: str, port: int) -> None:
@@ -151,12 +187,15 @@ def _look_up(key: _Key, lookup: _Lookup) -> None:
     except OSError as exc:
         lookup.error = exc
     except Exception as exc:  # noqa: BLE001 - UnicodeError for a bad name, and the like
-        lookup.error = socket.gaierror(f"{host}: {exc}")
+        lookup.error = socket.gaierror(socket.EAI_NONAME, f"not a valid host name ({exc})")
     else:
         lookup.addresses = addresses
     with _lock:
         if lookup.addresses is not None:
             _answers[key] = (lookup.addresses, time.monotonic())
+            _failures.pop(key, None)
+        else:
+            _failures[key] = (lookup, time.monotonic())
         if _under_way.get(key) is lookup:
             del _under_way[key]
     lookup.done.set()
@@ -169,6 +208,7 @@ def forget() -> None:
     _lock = threading.Lock()
     _answers.clear()
     _under_way.clear()
+    _failures.clear()
     _stale_in_use.clear()
 
 

@@ -70,9 +70,9 @@ def count_connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     tried: list[str] = []
     start_connect = master_module.Master.start_connect
 
-    def counting(self: master_module.Master) -> object:
+    def counting(self: master_module.Master, *args: Any, **kwargs: Any) -> object:
         tried.append(self.name)
-        return start_connect(self)
+        return start_connect(self, *args, **kwargs)
 
     monkeypatch.setattr(master_module.Master, "start_connect", counting)
     return tried

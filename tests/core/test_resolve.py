@@ -41,8 +41,8 @@ class Resolver:
         self.failing: set[str] = set()
         self.freed = threading.Event()
         self.lookups: list[str] = []
-        #: names that resolve to another address than 127.0.0.1
-        self.moved: dict[str, str] = {}
+        #: names that resolve to other addresses than 127.0.0.1, in this order
+        self.moved: dict[str, list[str]] = {}
         #: a name whose lookups after its first (failing) one hang
         self.hang_after_failure: str | None = None
 
@@ -57,7 +57,10 @@ class Resolver:
                 self.freed.wait(HANG)
             if host in self.failing:
                 raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
-            host = self.moved.get(host, "127.0.0.1")
+            found: list[Any] = []
+            for address in self.moved.get(host, ["127.0.0.1"]):
+                found += self.real(address, port, family, kind, proto, flags)
+            return found
         return self.real(host, port, family, kind, proto, flags)
 
     def release(self) -> None:
@@ -200,7 +203,7 @@ def test_a_forked_child_does_not_wait_for_its_parents_lookup(resolver: Resolver)
 def test_a_master_that_moved_is_looked_up_again_after_a_failed_connect(
     masters: Masters, resolver: Resolver
 ) -> None:
-    resolver.moved = {"moved.test": "127.0.0.3"}  # its old address: nothing listens there
+    resolver.moved = {"moved.test": ["127.0.0.3"]}  # its old address: nothing listens there
     rl = make_redlock(_named(masters, "moved.test"), node_timeout=NODE_TIMEOUT)
     rl.acquire("job", 5).release()
     assert rl.masters[0].down
@@ -237,6 +240,7 @@ def test_the_fallback_to_old_addresses_is_logged_once(
 ) -> None:
     resolve.resolve("a.test", 1, 0, socket.SOCK_STREAM, 1.0)
     monkeypatch.setattr(resolve, "FRESH", 0.0)
+    monkeypatch.setattr(resolve, "FAILED_FOR", 0.0)  # every call asks the resolver
     resolver.failing.add("a.test")
     for _ in range(5):
         resolve.resolve("a.test", 1, 0, socket.SOCK_STREAM, 1.0)
@@ -257,3 +261,71 @@ def test_a_name_that_fails_to_resolve_is_not_looked_up_again_by_redis_py(
     assert took < NODE_TIMEOUT + 2.0, took
     assert "Temporary failure in name resolution" in (rl.masters[0].last_error or "")
     lease.release()
+
+
+def test_a_name_whose_first_address_refuses_is_connected_at_the_next_one(
+    masters: Masters, resolver: Resolver
+) -> None:
+    # Nothing listens on 127.0.0.3: refused at once. Before, redis-py connected the
+    # master, looking the name up again with no deadline (it hangs from then on here).
+    resolver.moved = {"two.test": ["127.0.0.3", "127.0.0.1"]}
+    resolver.hang_after_failure = "two.test"
+    rl = make_redlock(_named(masters, "two.test"), node_timeout=NODE_TIMEOUT)
+    took, lease = _timed(lambda: rl.acquire("job", 5))
+    assert took < NODE_TIMEOUT + 2.0, took
+    assert helpers.value_on(masters[0], helpers.lock_name("job")) == lease.token
+    assert resolver.lookups.count("two.test") == 1
+    lease.release()
+
+
+@pytest.mark.parametrize("masters", [7], indirect=True)
+def test_names_that_hang_cost_a_connect_one_node_timeout_in_all(
+    masters: Masters, resolver: Resolver
+) -> None:
+    hung = ("h1.test", "h2.test", "h3.test")
+    resolver.hung |= set(hung)
+    rl = make_redlock(_named(masters, *hung), node_timeout=1.0)
+    took, lease = _timed(lambda: rl.acquire("job", 5))
+    # Before, one node_timeout per name: 3 s.
+    assert took < 2.2, took
+    lease.release()
+
+
+def test_a_name_that_keeps_failing_is_asked_once_a_second_at_most(resolver: Resolver) -> None:
+    resolver.failing.add("gone.test")
+    for _ in range(20):
+        with pytest.raises(socket.gaierror):
+            resolve.resolve("gone.test", 1, 0, socket.SOCK_STREAM, 1.0)
+    assert resolver.lookups.count("gone.test") == 1
+
+
+# -- hostile review of the second version ----------------------------------------------------
+
+
+def test_a_master_named_by_an_invalid_host_name_counts_as_failed(masters: Masters) -> None:
+    # idna refuses a 64-character label (UnicodeError, not an OSError): before, the
+    # lookups started ahead of the connects let it out of acquire.
+    rl = make_redlock(_named(masters, "x" * 64 + ".example"), node_timeout=NODE_TIMEOUT)
+    lease = rl.acquire("job", 5)
+    assert "not a valid host name" in (rl.masters[0].last_error or ""), rl.masters[0].last_error
+    lease.release()
+
+
+def test_a_connect_interrupted_inside_redis_py_closes_its_socket(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_redlock.lock import master as master_module
+
+    opened: list[Any] = []
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened.append(self)
+        raise KeyboardInterrupt  # as a signal handler's, after redis-py took the socket
+
+    monkeypatch.setattr(master_module._Preconnected, "on_connect_check_health", interrupted)
+    rl = make_redlock(masters.urls, node_timeout=NODE_TIMEOUT)
+    with pytest.raises(KeyboardInterrupt):
+        rl.acquire("job", 5)
+    assert opened
+    # Closed at once, not when the exception and its frames are dropped.
+    assert all(conn._sock is None for conn in opened)
