@@ -57,7 +57,7 @@ class _Lookup:
         self.error: OSError | None = None
 
 
-#: Guards the two maps; never held across a lookup.
+#: Guards the maps below; never held across a lookup.
 _lock = threading.Lock()
 #: the last answer per name, and when it came (``time.monotonic``)
 _answers: dict[_Key, tuple[Addresses, float]] = {}
