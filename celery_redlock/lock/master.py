@@ -333,7 +333,7 @@ class Master:
     def prefetch_address(self) -> None:
         """Start looking this master's host name up, without waiting (see
         :func:`.resolve.prefetch`); nothing for masters redis-py connects itself."""
-        if self._pipelined is not None and not self.probing:
+        if self._pipelined is not None:  # the caller skips masters being probed
             kwargs = self._pipelined[0]
             resolve.prefetch(
                 kwargs.get("host", "localhost"),

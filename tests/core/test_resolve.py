@@ -90,6 +90,25 @@ def _named(masters: Masters, *hosts: str) -> list[str]:
     return urls
 
 
+def _drop_connections(rl: Any) -> None:
+    """Close every connection of ``rl``: its next round connects again."""
+    for lane in rl._lanes:
+        for link in lane.links:
+            link.close()
+
+
+def _handed_back_and_used(rl: Any, masters: Masters, timeout: float) -> None:
+    """The probe hands the first master back, and the next acquire lands on it."""
+    wait_for(
+        lambda: rl.masters[0] not in probe.watching(),
+        timeout=timeout,
+        message="the probe never handed the first master back",
+    )
+    lease = rl.acquire("job", 5)
+    assert helpers.value_on(masters[0], helpers.lock_name("job")) == lease.token
+    lease.release()
+
+
 def _timed(call: Any) -> tuple[float, Any]:
     started = time.monotonic()
     result = call()
@@ -120,14 +139,7 @@ def test_once_the_lookup_answers_the_master_is_back(masters: Masters, resolver: 
     rl.acquire("job", 5).release()
     assert rl.masters[0].down
     resolver.release()  # the resolver answers at last
-    wait_for(
-        lambda: rl.masters[0] not in probe.watching(),
-        timeout=15,
-        message="the probe never handed it back",
-    )
-    lease = rl.acquire("job", 5)
-    assert helpers.value_on(masters[0], helpers.lock_name("job")) == lease.token
-    lease.release()
+    _handed_back_and_used(rl, masters, timeout=15)
 
 
 def test_a_name_resolved_before_is_connected_to_while_the_resolver_hangs(
@@ -137,9 +149,7 @@ def test_a_name_resolved_before_is_connected_to_while_the_resolver_hangs(
     rl.acquire("job", 5).release()  # resolved, connected
     monkeypatch.setattr(resolve, "FRESH", 0.0)  # every answer is old now
     resolver.hung |= {"a.test", "b.test"}
-    for lane in rl._lanes:  # the connections drop: the next acquire connects again
-        for link in lane.links:
-            link.close()
+    _drop_connections(rl)  # the next acquire connects again
     took, lease = _timed(lambda: rl.acquire("job", 5))
     assert took < NODE_TIMEOUT + 2.0, took
     # Both named masters were reached at their last known address, not given up on.
@@ -173,9 +183,7 @@ def test_a_refused_connect_to_one_address_is_not_resolved_again(
     rl = make_redlock(_named(masters, "a.test"), node_timeout=NODE_TIMEOUT)
     rl.acquire("job", 5).release()
     masters[0].stop()
-    for lane in rl._lanes:
-        for link in lane.links:
-            link.close()
+    _drop_connections(rl)
     resolver.hung.add("a.test")  # were redis-py to connect it, it would wait HANG
     took, lease = _timed(lambda: rl.acquire("job", 5))
     assert took < NODE_TIMEOUT + 2.0, took
@@ -209,14 +217,7 @@ def test_a_master_that_moved_is_looked_up_again_after_a_failed_connect(
     assert rl.masters[0].down
     del resolver.moved["moved.test"]  # the name answers its new address at once
     # Before, the cached old address served connects and probes for 30 s.
-    wait_for(
-        lambda: rl.masters[0] not in probe.watching(),
-        timeout=10,
-        message="the moved master was never handed back",
-    )
-    lease = rl.acquire("job", 5)
-    assert helpers.value_on(masters[0], helpers.lock_name("job")) == lease.token
-    lease.release()
+    _handed_back_and_used(rl, masters, timeout=10)
 
 
 def test_a_lookup_thread_that_cannot_start_does_not_stick(
