@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .lock import Redlock
@@ -15,6 +16,11 @@ _clients: weakref.WeakKeyDictionary[Any, tuple[RedlockSettings, Redlock]] = (
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
+_NO_LAST: tuple[Callable[[], Any], Callable[[], Any]] = (lambda: None, lambda: None)
+#: the last settings and client handed out, held weakly: settings objects are one per app
+#: (and conf), so the same settings object means the same app's client, found without a
+#: WeakKeyDictionary lookup (which makes a weak reference per call)
+_last: tuple[Callable[[], Any], Callable[[], Any]] = _NO_LAST
 
 
 def redlock_for(app: Any) -> Redlock:
@@ -24,10 +30,13 @@ def redlock_for(app: Any) -> Redlock:
     With ``redlock_backend = "memory"`` it is a :class:`~celery_redlock.memory.MemoryRedlock`
     (in-process, for unit tests).
     """
+    global _last
     settings = get_settings(app)
-    entry = _clients.get(app)
-    if entry is not None and entry[0] is settings:
-        return entry[1]
+    last_settings, last_client = _last
+    if last_settings() is settings:
+        found: Redlock | None = last_client()
+        if found is not None:
+            return found  # the usual case: one app, asked on every publish and run
     with _lock:
         entry = _clients.get(app)
         if entry is None or entry[0] is not settings:
@@ -47,12 +56,15 @@ def redlock_for(app: Any) -> Redlock:
                 entry[1].close()
             entry = (settings, client)
             _clients[app] = entry
+        _last = (weakref.ref(settings), weakref.ref(entry[1]))
     return entry[1]
 
 
 def reset_clients() -> None:
     """Close and forget every app's client (tests)."""
+    global _last
     with _lock:
+        _last = _NO_LAST
         for _, client in list(_clients.values()):
             client.close()
         _clients.clear()

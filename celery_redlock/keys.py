@@ -124,6 +124,14 @@ class _Encoder:
         )
 
     def encode(self, value: object, path: str) -> bytes:
+        # The commonest exact types first (an exact str or int is no Enum member and has
+        # no __redlock_key__ hook: built-in types take no new attributes); same bytes as
+        # the general branches below.
+        kind = type(value)
+        if kind is str:
+            return b"S" + _text(value)  # type: ignore[arg-type]
+        if kind is int:
+            return _integer(value)  # type: ignore[arg-type]
         # Enum first: IntEnum and StrEnum members are ints and strs too.
         if isinstance(value, enum.Enum):
             return self.encode(value.value, path)

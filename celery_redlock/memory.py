@@ -31,7 +31,7 @@ from .keys import validate_prefix
 from .lock import limits, process
 from .lock.lease import Lease
 from .lock.master import MasterStatus
-from .lock.redlock import Redlock
+from .lock.redlock import CheckedNumbers, Redlock
 
 __all__ = ["MemoryRedlock", "refuse_in_shared_process"]
 
@@ -70,6 +70,7 @@ class MemoryRedlock(Redlock):
         self._fence_seed = itertools.count(1)
         #: lock key -> its Redis key names (see Redlock._keys, which claims use too)
         self._names: dict[str, tuple[str, str, str]] = {}
+        self._checked_numbers: dict[tuple[object, ...], CheckedNumbers] = {}
         #: Redis key name of a lock -> its lease, so that deleting its key by another way
         #: (``clear_lock``, a revoke's release) makes an auto-renewed one lost, as the Redis
         #: backend's next renewal would (one without renewal reads held until its TTL there

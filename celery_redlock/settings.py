@@ -23,6 +23,7 @@ import difflib
 import inspect
 import logging
 import math
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -864,6 +865,23 @@ def settings_from_conf(conf: Any) -> RedlockSettings:
 _cache: weakref.WeakKeyDictionary[Any, tuple[Any, RedlockSettings]] = weakref.WeakKeyDictionary()
 
 
+def _gone() -> None:
+    return None
+
+
+_NO_LAST: Final[tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = (
+    _gone,
+    _gone,
+    _gone,
+)
+#: the app last asked about, its conf and its settings, held weakly: get_settings' answer
+#: without a WeakKeyDictionary lookup (which makes a weak reference per call)
+_last: tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] = _NO_LAST
+#: counts reset_settings calls: an answer looked up before one is not kept as _last
+_generation = 0
+_last_lock = threading.Lock()
+
+
 def get_settings(app: SupportsConf) -> RedlockSettings:
     """Return the validated settings of ``app``, read from ``app.conf`` on first call.
 
@@ -874,17 +892,36 @@ def get_settings(app: SupportsConf) -> RedlockSettings:
 
     :raises ImproperlyConfigured: see :func:`settings_from_conf`.
     """
+    global _last
     conf = app.conf
+    last_app, last_conf, last_settings = _last
+    if last_app() is app and last_conf() is conf:
+        found = last_settings()
+        if found is not None:
+            return cast(RedlockSettings, found)  # the usual case: one app, on every job
+    generation = _generation
     cached = _cache.get(app)
     if cached is not None and cached[0] is conf:
-        return cached[1]
-    settings = settings_from_conf(conf)
-    _cache[app] = (conf, settings)
+        settings = cached[1]
+    else:
+        settings = settings_from_conf(conf)
+        _cache[app] = (conf, settings)
+    with _last_lock:
+        # Not when a reset came since this call looked: its answer may predate the reset.
+        if generation == _generation:
+            try:
+                _last = (weakref.ref(app), weakref.ref(conf), weakref.ref(settings))
+            except TypeError:  # an app or conf that takes no weak reference
+                _last = _NO_LAST
     return settings
 
 
 def reset_settings(app: SupportsConf | None = None) -> None:
     """Forget the cached settings of ``app``, or of every app."""
+    global _last, _generation
+    with _last_lock:
+        _generation += 1
+        _last = _NO_LAST
     if app is None:
         _cache.clear()
     else:

@@ -29,7 +29,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -71,20 +70,38 @@ class Lane:
         self.idle_since = self.clock()
 
 
-@dataclass
 class RoundResult:
-    """Replies per master index; ``errors`` says why a master has none."""
+    """Replies per master index; ``errors`` says why a master has none.
 
-    replies: list[list[object] | None]
-    errors: dict[int, str] = field(default_factory=dict)
-    #: masters whose reply we stopped waiting for because the outcome was certain
-    not_waited: set[int] = field(default_factory=set)
-    #: the slots of the replies not waited for (and those that timed out): they fill
-    #: in when a later round on the same link reads past them
-    late: dict[int, Slot] = field(default_factory=dict)
-    #: seconds from the last send until the round was decided or gave up (0.0 when
-    #: it did not wait for any reply)
-    waited: float = 0.0
+    (A plain class with slots rather than a dataclass: one is made per round.)
+    """
+
+    __slots__ = ("errors", "late", "not_waited", "replies", "waited")
+
+    def __init__(
+        self,
+        replies: list[list[object] | None],
+        errors: dict[int, str] | None = None,
+        not_waited: set[int] | None = None,
+        late: dict[int, Slot] | None = None,
+        waited: float = 0.0,
+    ) -> None:
+        self.replies = replies
+        self.errors: dict[int, str] = {} if errors is None else errors
+        #: masters whose reply we stopped waiting for because the outcome was certain
+        self.not_waited: set[int] = set() if not_waited is None else not_waited
+        #: the slots of the replies not waited for (and those that timed out): they fill
+        #: in when a later round on the same link reads past them
+        self.late: dict[int, Slot] = {} if late is None else late
+        #: seconds from the last send until the round was decided or gave up (0.0 when
+        #: it did not wait for any reply)
+        self.waited = waited
+
+    def __repr__(self) -> str:
+        return (
+            f"RoundResult(replies={self.replies!r}, errors={self.errors!r}, "
+            f"not_waited={self.not_waited!r}, late={self.late!r}, waited={self.waited!r})"
+        )
 
 
 Decider = Callable[[RoundResult], bool]
@@ -167,16 +184,17 @@ def run_round(
     result = RoundResult(replies=[None] * n)
     errors = result.errors
     slots: dict[int, Slot] = {}
+    unconnected = False
     for link in links:
         if link.in_doubt:
             # An exception cut a send or a hand-out of replies short (a signal's): which
             # reply answers what is no longer known. Reconnected below; a reply matched
             # to the wrong command could count a vote that was never given.
             link.close()
-    for link in links:
         if link.sock is None:
-            _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)
-            break
+            unconnected = True
+    if unconnected:
+        _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)
     for i, payload in enumerate(payloads):
         if payload is None:
             continue
@@ -213,7 +231,12 @@ def run_round(
     blank = len(slots) == n and not awaiting
     # Masters only turn down here by failing, which ends their wait: with none down at
     # the start (the usual case), the check below need not run on every wake-up.
-    some_down = not wait_on_down and any(link.master.down for link in links)
+    some_down = False
+    if not wait_on_down:
+        for link in links:
+            if link.master.down:
+                some_down = True
+                break
     while pending:
         if decided is not None and not blank and decided(result):
             break
@@ -300,7 +323,7 @@ def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> lis
         sock = link.sock
         if sock is None:
             continue
-        if link.buffered():
+        if not link._nonblocking and link.buffered():
             ready.append(i)
         by_sock[sock] = i
     if ready:

@@ -73,7 +73,10 @@ class Heartbeat:
         self._clock = clock
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
-        self._cond = threading.Condition(threading.Lock())
+        #: the lock of ``_cond``, taken directly where no wait or notify is needed (add and
+        #: remove run once per task: Condition's own ``with`` costs two Python calls)
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._active: dict[int, Lease] = {}
         #: per lease, the sequence number of its one live heap entry (others are stale)
         self._entry: dict[int, int] = {}
@@ -104,14 +107,19 @@ class Heartbeat:
 
     def add(self, lease: Lease) -> None:
         """Start renewing ``lease`` every ``lease.renew_every`` seconds."""
-        due = self._clock() + lease.renew_every
-        with self._cond:
-            if self._active.get(id(lease)) is not lease:
-                self._active[id(lease)] = lease
+        renew_every = lease.renew_every
+        due = self._clock() + renew_every
+        ident = id(lease)
+        with self._mutex:  # self._cond's lock: notify() below may run under it
+            if self._active.get(ident) is not lease:
+                self._active[ident] = lease
                 client = id(lease.redlock)
                 self._clients[client] = self._clients.get(client, 0) + 1
-            self._push(due, lease)
-            self._shortest = min(self._shortest, lease.renew_every)
+            seq = next(self._seq)  # as _push
+            self._entry[ident] = seq
+            heapq.heappush(self._heap, (due, seq, lease))
+            if renew_every < self._shortest:
+                self._shortest = renew_every
             if self._thread is None or not self._thread.is_alive():
                 self._start_thread()
             elif due < self._wake_at:
@@ -175,11 +183,13 @@ class Heartbeat:
         holds at most about twice as many entries, and no released lease stays in memory
         for a whole renew interval.
         """
-        with self._cond:
-            if self._active.get(id(lease)) is lease:
-                del self._active[id(lease)]
-                self._entry.pop(id(lease), None)
-                self._ending.pop(id(lease), None)
+        ident = id(lease)
+        with self._mutex:  # self._cond's lock
+            if self._active.get(ident) is lease:
+                del self._active[ident]
+                self._entry.pop(ident, None)
+                if self._ending:
+                    self._ending.pop(ident, None)
                 client = id(lease.redlock)
                 left = self._clients.get(client, 1) - 1
                 if left:

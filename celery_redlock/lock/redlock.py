@@ -10,6 +10,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
+from itertools import chain
 from typing import NamedTuple, cast
 
 from ..backoff import full_jitter
@@ -38,6 +39,8 @@ DEFAULT_FENCE_TTL = 7 * 24 * 3600.0
 RENEW_CHUNK = 500
 #: Key names kept ready per client (the cache starts over when full).
 NAMES_CACHED = 4096
+#: how many combinations of acquire's numeric arguments a client remembers as checked
+NUMBERS_CACHED = 64
 #: Keys remembered per client as "holders read the fence" (see ``eager_fence_keys``).
 DEFAULT_EAGER_FENCE_KEYS = 4096
 #: Idle lanes (one connection per master each) kept open per client; more are closed
@@ -64,6 +67,12 @@ class AcquireArguments(NamedTuple):
     renew_every_default: bool
     #: ``meta`` as the str fields stored beside the lock
     fields: dict[str, str]
+
+
+_JUST_STR = {str}
+
+#: ttl, blocking_timeout, max_hold, renew_every, renew_every_default (see AcquireArguments)
+CheckedNumbers = tuple[float, float | None, float | None, float, bool]
 
 
 def _undo_interrupted(lane: Lane, undo: Callable[[], bytes], kind: type[BaseException]) -> None:
@@ -185,6 +194,8 @@ class Redlock:
         self._fence_keys_lock = threading.Lock()
         #: key -> its lock, metadata and fence counter names (see _keys)
         self._names: dict[str, tuple[str, str, str]] = {}
+        #: acquire's numeric arguments (with their types) -> checked (see _acquire_arguments)
+        self._checked_numbers: dict[tuple[object, ...], CheckedNumbers] = {}
         if spin_wait >= self.node_timeout:
             raise ImproperlyConfigured(
                 f"spin_wait must be shorter than node_timeout ({self.node_timeout}s), "
@@ -264,9 +275,11 @@ class Redlock:
         )
         ttl, blocking_timeout, max_hold = checked.ttl, checked.blocking_timeout, checked.max_hold
         companion = ("dedupe", "") if clear_companion is None else clear_companion
-        meta_args: list[str] = [companion[0], companion[1]]
-        for field, value in checked.fields.items():
-            meta_args += [field, value]
+        meta_args: list[str] = [
+            companion[0],
+            companion[1],
+            *chain.from_iterable(checked.fields.items()),
+        ]
         deadline = None if blocking_timeout is None else self._clock() + blocking_timeout
         attempt = 0
         box: list[Lease] = []
@@ -329,6 +342,53 @@ class Redlock:
         """
         if not isinstance(key, str) or not key:
             raise TypeError(f"key must be a non-empty str, got {key!r}")
+        # The numbers a caller passes are the same on almost every call (a task's options):
+        # once checked, they are remembered, with their types (True is not 1 here).
+        numbers = (
+            ttl, type(ttl), blocking_timeout, type(blocking_timeout), max_hold,
+            type(max_hold), renew_every, type(renew_every), auto_renew, self.node_timeout,
+            self.clock_drift_factor,
+        )  # fmt: skip
+        cache: dict[tuple[object, ...], CheckedNumbers] | None = self._checked_numbers
+        try:
+            checked = cache.get(numbers)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - unhashable: _check_numbers says what is wrong
+            checked, cache = None, None
+        if checked is None:
+            checked = self._check_numbers(ttl, blocking_timeout, max_hold, renew_every, auto_renew)
+            if cache is not None:
+                if len(cache) >= NUMBERS_CACHED:
+                    cache.clear()
+                cache[numbers] = checked
+        if clear_companion is not None:
+            self._check_companion(clear_companion)
+        fields: dict[str, str]
+        if not meta:
+            fields = {}
+        elif (
+            type(meta) is dict
+            and {*map(type, meta), *map(type, meta.values())} == _JUST_STR
+            and scripts.EXTENSION_FIELD not in meta
+        ):
+            fields = dict(meta)  # the usual case: a plain dict of str, taken as it is
+        else:
+            fields = {}
+            for field, value in meta.items():
+                name = str(field)
+                if name == scripts.EXTENSION_FIELD:
+                    raise ValueError(f"meta: the field {field!r} is reserved for the lock itself")
+                fields[name] = str(value)
+        return AcquireArguments._make((*checked, fields))
+
+    def _check_numbers(
+        self,
+        ttl: float,
+        blocking_timeout: float | None,
+        max_hold: float | None,
+        renew_every: float | None,
+        auto_renew: bool,
+    ) -> CheckedNumbers:
+        """The numbers of :meth:`_acquire_arguments`, checked, with their defaults."""
         ttl = self._check_ttl("ttl", ttl)
         if blocking_timeout is not None:
             blocking_timeout = limits.seconds(
@@ -353,16 +413,7 @@ class Redlock:
                 f"ttl less its clock drift allowance (ttl * clock_drift_factor + "
                 f"{limits.DRIFT_FLOOR * 1000:g} ms), {validity:g}s for ttl {ttl:g}s"
             )
-        if clear_companion is not None:
-            self._check_companion(clear_companion)
-        fields: dict[str, str] = {}
-        for field, value in (meta or {}).items():
-            if str(field) == scripts.EXTENSION_FIELD:
-                raise ValueError(f"meta: the field {field!r} is reserved for the lock itself")
-            fields[str(field)] = str(value)
-        return AcquireArguments(
-            ttl, blocking_timeout, max_hold, renew_every, renew_every_default, fields
-        )
+        return ttl, blocking_timeout, max_hold, renew_every, renew_every_default
 
     def _check_ttl(self, name: str, ttl: object) -> float:
         value = limits.seconds(name, ttl, limits.MIN_TTL, limits.MAX_TTL)
