@@ -869,14 +869,16 @@ def _gone() -> None:
     return None
 
 
-_NO_LAST: Final[tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = (
+_NO_LAST: Final[
+    tuple[Callable[[], Any], Callable[[], Any], Callable[[], RedlockSettings | None]]
+] = (
     _gone,
     _gone,
     _gone,
 )
 #: the app last asked about, its conf and its settings, held weakly: get_settings' answer
 #: without a WeakKeyDictionary lookup (which makes a weak reference per call)
-_last: tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]] = _NO_LAST
+_last: tuple[Callable[[], Any], Callable[[], Any], Callable[[], RedlockSettings | None]] = _NO_LAST
 #: counts reset_settings calls: an answer looked up before one is not kept as _last
 _generation = 0
 _last_lock = threading.Lock()
@@ -896,9 +898,9 @@ def get_settings(app: SupportsConf) -> RedlockSettings:
     conf = app.conf
     last_app, last_conf, last_settings = _last
     if last_app() is app and last_conf() is conf:
-        found = last_settings()
+        found: RedlockSettings | None = last_settings()
         if found is not None:
-            return cast(RedlockSettings, found)  # the usual case: one app, on every job
+            return found  # the usual case: one app, asked on every publish and run
     generation = _generation
     cached = _cache.get(app)
     if cached is not None and cached[0] is conf:

@@ -169,7 +169,9 @@ def run_round(
                 problem = f"unexpected reply {replies!r:.120}"
         if problem is None:
             result.replies[i] = replies
-            link.master.mark_up()
+            master = link.master
+            if master.down or master.last_error:  # (mark_up does nothing else)
+                master.mark_up()
         else:
             broken(i, problem)
 
@@ -273,7 +275,7 @@ def run_round(
                 del pending[i]
                 continue
             slot = pending[i]
-            if slot.done:
+            if len(slot.replies) >= slot.expected:  # slot.done
                 accept(i, slot)
                 del pending[i]
             elif link.master.down:
@@ -316,7 +318,7 @@ def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> lis
     A TLS socket may hold decrypted bytes that ``select`` does not see: those count
     at once; otherwise ``select`` waits up to ``timeout`` for the first readable ones.
     """
-    by_sock = {}
+    by_fd = {}
     ready: list[int] = []
     for i in indexes:
         link = links[i]
@@ -325,11 +327,10 @@ def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> lis
             continue
         if not link._nonblocking and link.buffered():
             ready.append(i)
-        by_sock[sock] = i
+        by_fd[sock.fileno()] = i
     if ready:
         return ready
-    readable = waiting.readable(list(by_sock), timeout)
-    return [by_sock[sock] for sock in readable]
+    return waiting.readable_fds(by_fd, timeout)
 
 
 def _spin(links: Sequence[Link], indexes: Iterable[int], until: float) -> list[int]:
