@@ -3,10 +3,12 @@
 ``select.select`` refuses descriptors from 1024 on (``FD_SETSIZE``): in a process that has
 that many files open (a busy worker, a web server), every round would raise ``ValueError``
 instead of reaching its masters, and so would ``release()``. ``select.poll`` has no such
-limit, so it is used where it exists. Under gevent's aggressive monkey-patching ``poll`` is
-removed and ``select.select`` is gevent's own (no ``FD_SETSIZE`` limit either), so the
-fallback keeps both working; the standard library's ``selectors`` would add an object and a
-registration per call on the hot path for nothing more.
+limit, so it is used where it exists, and gevent's monkey-patching provides a green one.
+Only where ``poll`` is really absent does the wait fall back to ``select.select``, and
+there a descriptor from 1024 on still fails (gevent's ``select`` asks the standard
+library's first); the standard library's ``selectors`` would add an object and a
+registration per call on the hot path for nothing more. Waits take file descriptors
+(:func:`readable_fds`): a round maps them straight to its masters.
 
 Under eventlet's monkey-patching, ``select.select`` is eventlet's green one, and it cannot be
 used with more than one socket: eventlet's hub gathers the callbacks of every descriptor one
