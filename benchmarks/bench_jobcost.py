@@ -41,7 +41,16 @@ import hiredis
 from celery import Celery
 from celery.app.trace import build_tracer
 
-from benchmarks.common import Goal, Report, arguments, cpu_seconds, num, progress, table
+from benchmarks.common import (
+    META_FIELDS,
+    Goal,
+    Report,
+    arguments,
+    cpu_seconds,
+    num,
+    progress,
+    table,
+)
 from celery_redlock import SingletonTask
 from celery_redlock.client import redlock_for
 from celery_redlock.lock import scripts
@@ -55,8 +64,6 @@ PLAIN, RAW, OURS, SINGLETON, ONCE = (
     "celery-singleton",
     "celery-once",
 )
-#: the metadata SingletonTask stores with a run's lock (same fields, realistic sizes)
-META_FIELDS = ("task", "bench.job", "host", "celery@bench", "pid", "12345")
 
 
 class RawRounds:

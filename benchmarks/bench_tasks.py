@@ -29,6 +29,7 @@ import redis
 
 from benchmarks import task_brokers, task_latency
 from benchmarks.common import (
+    META_FIELDS,
     REPO,
     Goal,
     Report,
@@ -139,7 +140,16 @@ def _round_trip_floor(masters: Any, jobs: int = 3000) -> tuple[float, float]:
             payloads += [
                 scripts.CLAIM.call(1, marker, task_id, 600_000),
                 scripts.ACQUIRE.call(
-                    3, lock, meta, marker, token, 30_000, task_id, "task_id", task_id
+                    3,
+                    lock,
+                    meta,
+                    marker,
+                    token,
+                    30_000,
+                    task_id,
+                    "task_id",
+                    task_id,
+                    *META_FIELDS,
                 ),
                 scripts.RELEASE.call(3, lock, meta, marker, token, ""),
             ]

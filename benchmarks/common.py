@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from celery_redlock.keys import STORAGE_FORMAT
 from celery_redlock.testing import _preexec, find_redis_server, redis_server_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,13 @@ DOCS = REPO / "docs" / "benchmarks"
 Handle = object
 Acquire = Callable[[], Handle]
 Release = Callable[[Handle], object]
+
+#: the metadata SingletonTask stores with a run's lock besides its task_id (same fields,
+#: same sizes: see SingletonTask.__call__)
+META_FIELDS = (
+    "task", "bench.job", "host", "celery@bench", "pid", "12345",
+    "acquired_at", "1764230000.123", "format", STORAGE_FORMAT,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
