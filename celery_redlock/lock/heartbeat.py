@@ -115,9 +115,7 @@ class Heartbeat:
                 self._active[ident] = lease
                 client = id(lease.redlock)
                 self._clients[client] = self._clients.get(client, 0) + 1
-            seq = next(self._seq)  # as _push
-            self._entry[ident] = seq
-            heapq.heappush(self._heap, (due, seq, lease))
+            self._push(due, lease)
             if renew_every < self._shortest:
                 self._shortest = renew_every
             if self._thread is None or not self._thread.is_alive():
