@@ -29,20 +29,16 @@ from __future__ import annotations
 import cProfile
 import itertools
 import pstats
-import select
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import hiredis
 from celery import Celery
 from celery.app.trace import build_tracer
 
 from benchmarks.common import (
-    META_FIELDS,
     Goal,
     Report,
     arguments,
@@ -51,10 +47,15 @@ from benchmarks.common import (
     progress,
     table,
 )
+from benchmarks.raw_rounds import (
+    RawRounds,
+    acquire_payload,
+    claim_payload,
+    lock_name,
+    release_payload,
+)
 from celery_redlock import SingletonTask
 from celery_redlock.client import redlock_for
-from celery_redlock.lock import scripts
-from celery_redlock.lock.wire import pack_command
 from celery_redlock.testing import Masters, RedisServer, start_masters
 
 PLAIN, RAW, OURS, SINGLETON, ONCE = (
@@ -64,53 +65,6 @@ PLAIN, RAW, OURS, SINGLETON, ONCE = (
     "celery-singleton",
     "celery-once",
 )
-
-
-class RawRounds:
-    """SingletonTask's three rounds on raw non-blocking sockets: send to every master,
-    ``poll`` until a quorum answered, leave the rest to the next round."""
-
-    def __init__(self, masters: Masters) -> None:
-        self.links: list[socket.socket] = []
-        self.readers: dict[int, hiredis.Reader] = {}
-        self.owed: dict[int, int] = {}
-        for master in masters:
-            link = socket.create_connection((master.host, master.port), timeout=10)
-            link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
-                link.sendall(pack_command(("SCRIPT", "LOAD", script.source)))
-                link.recv(128)
-            link.setblocking(False)
-            self.links.append(link)
-            self.readers[link.fileno()] = hiredis.Reader()
-            self.owed[link.fileno()] = 0
-        self.by_fd = {link.fileno(): link for link in self.links}
-        self.quorum = len(self.links) // 2 + 1
-
-    def round(self, payload: bytes, wait: bool = True) -> None:
-        for link in self.links:
-            link.send(payload)
-            self.owed[link.fileno()] += 1
-        if not wait:
-            return
-        answered = 0
-        waiting = set(self.by_fd)
-        while answered < self.quorum:
-            poller = select.poll()
-            for fd in waiting:
-                poller.register(fd, select.POLLIN)
-            for fd, _ in poller.poll(1000):
-                reader = self.readers[fd]
-                reader.feed(self.by_fd[fd].recv(65536))
-                while reader.gets() is not False:
-                    self.owed[fd] -= 1
-                if not self.owed[fd]:
-                    waiting.discard(fd)
-                    answered += 1
-
-    def close(self) -> None:
-        for link in self.links:
-            link.close()
 
 
 def _app(masters: Masters, counter: RedisServer) -> Celery:
@@ -165,8 +119,7 @@ class Contender:
         for i in args:
             result = task.apply_async((i,))
             if raw is not None:
-                marker = f"raw:{{bench.job:{i}}}:dedupe:bench.job"
-                raw.round(scripts.CLAIM.call(1, marker, result.id, 3_600_000))
+                raw.round(claim_payload(f"{lock_name('bench.job', i)}:dedupe:bench.job", result.id))
             ids.append(result.id)
         self.publish.append((time.process_time() - started) / len(args) * 1e6)
         return ids
@@ -180,19 +133,12 @@ class Contender:
         started = time.process_time()
         for i, task_id, request in zip(args, ids, requests, strict=True):
             if raw is not None:
-                lock = f"raw:{{bench.job:{i}}}"
+                lock = lock_name("bench.job", i)
                 token = f"{i:032x}"
-                raw.round(
-                    scripts.ACQUIRE.call(
-                        3, lock, f"{lock}:meta", f"{lock}:dedupe:bench.job", token, 30_000,
-                        task_id, "task_id", task_id, *META_FIELDS,
-                    )
-                )  # fmt: skip
+                raw.round(acquire_payload(lock, f"{lock}:dedupe:bench.job", token, task_id))
             tracer(task_id, (i,), {}, request)
             if raw is not None:
-                raw.round(
-                    scripts.RELEASE.call(3, lock, f"{lock}:meta", lock, token, ""), wait=False
-                )
+                raw.round(release_payload(lock, token), wait=False)
         self.run.append((time.process_time() - started) / len(args) * 1e6)
 
     def cell(self, values: list[float]) -> tuple[float, float]:
@@ -213,7 +159,7 @@ def _measure(
     masters = start_masters(n_masters)
     app = _app(masters, counter)
     redlock_for(app)  # connects lazily; created here so the first batch does not pay it
-    raw = RawRounds(masters)
+    raw = RawRounds((m.host, m.port) for m in masters)
     contenders = {
         PLAIN: Contender(app, PLAIN, "bench.plain", None),
         RAW: Contender(app, RAW, "bench.plain", raw),
