@@ -30,8 +30,13 @@ def redlock_for(app: Any) -> Redlock:
     With ``redlock_backend = "memory"`` it is a :class:`~celery_redlock.memory.MemoryRedlock`
     (in-process, for unit tests).
     """
+    return client_for(app, get_settings(app))
+
+
+def client_for(app: Any, settings: RedlockSettings) -> Redlock:
+    """:func:`redlock_for` with ``app``'s settings already at hand (``get_settings(app)``),
+    for a caller that needs both: one settings lookup, not two."""
     global _last
-    settings = get_settings(app)
     last_settings, last_client = _last
     if last_settings() is settings:
         found: Redlock | None = last_client()

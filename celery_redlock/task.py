@@ -39,7 +39,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 
 from . import signals
-from .client import redlock_for
+from .client import client_for, redlock_for
 from .exceptions import AlreadyQueued, LockContended, LockLost, QuorumUnavailable, RedlockError
 from .identity import (
     DEDUPE_SUFFIX,
@@ -57,6 +57,7 @@ from .lock.summary import log_limited
 from .redact import guard, printable
 from .settings import (
     UNSET,
+    RedlockSettings,
     TaskOptions,
     get_settings,
     validate_call_options,
@@ -363,14 +364,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def redlock_options(self) -> TaskOptions:
         """This task's lock options, resolved against ``app.conf`` (cached)."""
+        return self._resolved()[1]
+
+    def _resolved(self) -> tuple[RedlockSettings, TaskOptions]:
+        """The app's settings and this task's options resolved against them (cached)."""
         settings = get_settings(self.app)
         resolved = type(self).__dict__.get("_redlock_resolved")
         if resolved is not None and resolved[0] is settings:
-            cached: TaskOptions = resolved[1]
-            return cached
+            return settings, resolved[1]
         options = validate_task_options(self, settings)
         type(self)._redlock_resolved = (settings, options)
-        return options
+        return settings, options
 
     @property
     def lease(self) -> Lease | None:
@@ -441,8 +445,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             or self.app.conf.task_always_eager
         ):
             return publish(task_id)
-        settings = get_settings(self.app)
-        opts = with_call_options(self.redlock_options(), overrides, settings)
+        settings, opts = self._resolved()
+        if overrides:
+            opts = with_call_options(opts, overrides, settings)
         if opts.dedupe is None:
             return publish(task_id)
         unlike = self._unlike_its_duplicates(options)
@@ -465,7 +470,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return publish(task_id)
         marker = self.dedupe_suffix()
         task_id = task_id or uuid()
-        redlock = redlock_for(self.app)
+        redlock = client_for(self.app, settings)
         try:
             holder, fresh = redlock.claim(
                 key,
@@ -591,10 +596,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def _options_with(self, header: object) -> TaskOptions:
         """This task's options with the per-call overrides a message header carries."""
-        opts = self.redlock_options()
+        return self._settings_and_options(header)[1]
+
+    def _settings_and_options(self, header: object) -> tuple[RedlockSettings, TaskOptions]:
+        """The app's settings, and :meth:`_options_with` ``header``."""
+        settings, opts = self._resolved()
         if header is None:
-            return opts
-        settings = get_settings(self.app)
+            return settings, opts
         try:
             overrides = validate_call_options(decode_call_options(header), self.name, settings)
         except ValueError as exc:
@@ -604,8 +612,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 OPTIONS_HEADER,
                 exc,
             )
-            return opts
-        return with_call_options(opts, overrides, settings)
+            return settings, opts
+        return settings, with_call_options(opts, overrides, settings)
 
     # -- worker side: the run-time lock ---------------------------------------------
 
@@ -613,10 +621,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
-        opts = self._options_with(_header(request, OPTIONS_HEADER))
+        settings, opts = self._settings_and_options(_header(request, OPTIONS_HEADER))
         key = opts.lock_key(args, kwargs)
         task_id = request.id or ""
-        redlock = redlock_for(self.app)
+        redlock = client_for(self.app, settings)
         started = time.monotonic()
         meta = {
             "task_id": task_id,
