@@ -30,12 +30,24 @@ def redlock_for(app: Any) -> Redlock:
     With ``redlock_backend = "memory"`` it is a :class:`~celery_redlock.memory.MemoryRedlock`
     (in-process, for unit tests).
     """
-    return client_for(app, get_settings(app))
+    return _client(app, get_settings(app))
 
 
 def client_for(app: Any, settings: RedlockSettings) -> Redlock:
-    """:func:`redlock_for` with ``app``'s settings already at hand (``get_settings(app)``),
-    for a caller that needs both: one settings lookup, not two."""
+    """:func:`redlock_for` for a caller that has just looked ``app``'s settings up
+    (``get_settings(app)``): one settings lookup per call, not two, when the client of
+    those settings is the last one handed out (the usual case)."""
+    last_settings, last_client = _last
+    if last_settings() is settings:
+        found: Redlock | None = last_client()
+        if found is not None:
+            return found
+    # The lookup of record, with the app's settings of now: a reset since the caller
+    # looked must not bring back (and install) a client of the settings it replaced.
+    return redlock_for(app)
+
+
+def _client(app: Any, settings: RedlockSettings) -> Redlock:
     global _last
     last_settings, last_client = _last
     if last_settings() is settings:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from celery_redlock import client as client_module
 from celery_redlock import settings as settings_module
-from celery_redlock.client import redlock_for, reset_clients
+from celery_redlock.client import client_for, redlock_for, reset_clients
 from celery_redlock.keys import canonical_bytes
 from celery_redlock.lock import scripts
 from celery_redlock.lock.redlock import Redlock
@@ -195,6 +195,26 @@ def test_settings_follow_a_reset_and_a_replaced_conf() -> None:
         assert get_settings(app).key_prefix == "after"
         assert redlock_for(app) is not client
         assert redlock_for(app).key_prefix == "after"
+    finally:
+        reset_clients()
+        reset_settings()
+
+
+def test_a_caller_holding_replaced_settings_gets_the_client_of_the_new_ones() -> None:
+    # SingletonTask looks the settings up once per publish and asks client_for with them:
+    # a reset in between must not bring a client of the old settings back, closing the
+    # new one under whoever uses it.
+    app = _app(redlock_key_prefix="before")
+    try:
+        old = get_settings(app)
+        assert client_for(app, old) is redlock_for(app)
+        app.conf.redlock_key_prefix = "after"
+        reset_settings(app)
+        current = redlock_for(app)
+        assert current.key_prefix == "after"
+        assert client_for(app, old) is current  # not a new client of the old settings
+        assert redlock_for(app) is current
+        assert client_for(app, get_settings(app)) is current
     finally:
         reset_clients()
         reset_settings()
