@@ -364,10 +364,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def redlock_options(self) -> TaskOptions:
         """This task's lock options, resolved against ``app.conf`` (cached)."""
-        return self._resolved()[1]
+        return self._resolved_here()[1]
 
     def _resolved(self) -> tuple[RedlockSettings, TaskOptions]:
-        """The app's settings and this task's options resolved against them (cached)."""
+        """The app's settings and this task's options resolved against them: what
+        :meth:`redlock_options` returns, with one settings lookup for both (cached)."""
+        if type(self).redlock_options is not SingletonTask.redlock_options:
+            # A subclass decides its options: every path asks it, as it always did.
+            return get_settings(self.app), self.redlock_options()
+        return self._resolved_here()
+
+    def _resolved_here(self) -> tuple[RedlockSettings, TaskOptions]:
         settings = get_settings(self.app)
         resolved = type(self).__dict__.get("_redlock_resolved")
         if resolved is not None and resolved[0] is settings:

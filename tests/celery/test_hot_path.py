@@ -7,6 +7,7 @@ bad values are refused with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from celery_redlock import SingletonTask, signals
 from celery_redlock import task as task_module
-from celery_redlock.client import reset_clients
+from celery_redlock.client import redlock_for, reset_clients
 from celery_redlock.keys import redis_key
 from celery_redlock.lock import Redlock, limits, waiting
 from celery_redlock.memory import MemoryRedlock
@@ -184,3 +185,54 @@ def test_cores_busy_is_false_without_a_load_average(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(waiting.os, "getloadavg", unavailable)
     monkeypatch.setattr(waiting, "_load_checked_at", -float("inf"))
     assert waiting.cores_busy() is False
+
+
+# -- found by the hostile review of the single settings lookup (each failed before its fix) -
+
+
+@pytest.fixture
+def queued_app() -> Iterator[Celery]:
+    app = Celery("hotpath-queued", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        redlock_redis_urls=["redis://127.0.0.1:1/0"],  # nothing listens: memory backend
+        redlock_backend="memory",
+    )
+    yield app
+    reset_clients()
+    reset_settings()
+
+
+def test_a_subclass_redlock_options_decides_the_publish(queued_app: Celery) -> None:
+    class NoDedupe(SingletonTask):
+        abstract = True
+
+        def redlock_options(self) -> Any:
+            return dataclasses.replace(super().redlock_options(), dedupe=None)
+
+    @queued_app.task(base=NoDedupe, lock_key="k:{n}", shared=False)
+    def job(n: int) -> int:
+        return n
+
+    first, second = job.apply_async((1,)), job.apply_async((1,))
+    assert first.id != second.id  # both published: the override turned dedupe off
+    assert not redlock_for(queued_app)._values  # and no marker was claimed
+
+
+def test_a_subclass_redlock_options_decides_the_run(queued_app: Celery) -> None:
+    class ShortLock(SingletonTask):
+        abstract = True
+
+        def redlock_options(self) -> Any:
+            return dataclasses.replace(super().redlock_options(), lock_ttl=7.0)
+
+    seen: dict[str, float] = {}
+
+    @queued_app.task(base=ShortLock, lock_key="k:{n}", shared=False, bind=True)
+    def job(self: Any, n: int) -> int:
+        seen["ttl"] = self.lease.ttl
+        return n
+
+    job.apply((1,))
+    assert seen["ttl"] == 7.0
