@@ -470,7 +470,11 @@ def main(argv: list[str]) -> int:
             "",
         )
 
-        latency_tasks = {"plain task": bench_app.plain, "SingletonTask": bench_app.redlocked}
+        latency_tasks = {
+            "plain task": bench_app.plain,
+            RAW: bench_app.TASKS[RAW],  # the least the three rounds add
+            "SingletonTask": bench_app.redlocked,
+        }
         healthy_latency: dict[str, list[list[float]]] = {}
         if args.latency_jobs > 0:
             healthy_latency = task_latency.measure(
