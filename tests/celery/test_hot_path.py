@@ -28,20 +28,24 @@ from celery_redlock.settings import reset_settings
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def eager_app() -> Iterator[Celery]:
-    app = Celery("hotpath", set_as_current=False)
+def _memory_app(name: str, **conf: Any) -> Iterator[Celery]:
+    app = Celery(name, set_as_current=False)
     app.conf.update(
         broker_url="memory://",
         result_backend="cache+memory://",
-        task_always_eager=True,
         redlock_redis_urls=["redis://127.0.0.1:1/0"],  # nothing listens: memory backend
         redlock_backend="memory",
+        **conf,
     )
     yield app
     reset_clients()
     reset_settings()
     app.close()
+
+
+@pytest.fixture
+def eager_app() -> Iterator[Celery]:
+    yield from _memory_app("hotpath", task_always_eager=True)
 
 
 def test_signal_arguments_are_built_only_for_a_receiver(
@@ -192,16 +196,7 @@ def test_cores_busy_is_false_without_a_load_average(monkeypatch: pytest.MonkeyPa
 
 @pytest.fixture
 def queued_app() -> Iterator[Celery]:
-    app = Celery("hotpath-queued", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        result_backend="cache+memory://",
-        redlock_redis_urls=["redis://127.0.0.1:1/0"],  # nothing listens: memory backend
-        redlock_backend="memory",
-    )
-    yield app
-    reset_clients()
-    reset_settings()
+    yield from _memory_app("hotpath-queued")
 
 
 def test_a_subclass_redlock_options_decides_the_publish(queued_app: Celery) -> None:
