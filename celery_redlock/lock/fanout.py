@@ -218,16 +218,17 @@ def run_round(
             slots[i] = slot
         else:
             errors[i] = links[i].master.last_error or "connection closed since"
+    if not wait:
+        # Nothing is waited for: every slot is left to later rounds on these links.
+        result.late.update(slots)
+        result.not_waited.update(slots)
+        return result
     deadline = clock() + node_timeout
     # ``spin`` is real time (the injectable ``clock`` may stand still in tests).
     sent_at = time.monotonic()
     spin_until = sent_at + min(spin, node_timeout) if spin > 0.0 else 0.0
     waited = False
     pending = slots
-    if not wait:
-        result.late.update(slots)
-        result.not_waited.update(slots)
-        pending = {}
     # Every master was sent its payload and nothing is known yet: the first look at
     # ``decided`` can wait for the first replies.
     blank = len(slots) == n and not awaiting

@@ -196,6 +196,8 @@ class Redlock:
         self._names: dict[str, tuple[str, str, str]] = {}
         #: acquire's numeric arguments (with their types) -> checked (see _acquire_arguments)
         self._checked_numbers: dict[tuple[object, ...], CheckedNumbers] = {}
+        #: claim's ttl and guard_for (with their types) -> checked (see claim)
+        self._checked_claims: dict[tuple[object, ...], tuple[float, float | None]] = {}
         if spin_wait >= self.node_timeout:
             raise ImproperlyConfigured(
                 f"spin_wait must be shorter than node_timeout ({self.node_timeout}s), "
@@ -628,10 +630,7 @@ class Redlock:
         apart by the run-time lock). Beat passes the window in which an occurrence can
         still be claimed again (a few leader lease periods).
         """
-        if guard_for is not None:
-            guard_for = limits.seconds("guard_for", guard_for, 0.0, limits.MAX_TTL)
-        name = self._claim_name(key, suffix)
-        ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
+        name, ttl, guard_for = self._claim_arguments(key, suffix, ttl, guard_for)
         payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
         ours = value.encode()
         n, q = len(self.masters), self.quorum
@@ -732,6 +731,33 @@ class Redlock:
                     lane.lock.release()
             raise
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
+
+    def _claim_arguments(
+        self, key: str, suffix: str, ttl: float, guard_for: float | None
+    ) -> tuple[str, float, float | None]:
+        """:meth:`claim`'s marker name, ``ttl`` and ``guard_for``, checked (in that order of
+        errors: ``guard_for``, the name, ``ttl``).
+
+        A publish claims with the same ``ttl`` and ``guard_for`` every time: once checked,
+        they are remembered with their types, as acquire's numbers are.
+        """
+        numbers = (ttl, type(ttl), guard_for, type(guard_for))
+        cache: dict[tuple[object, ...], tuple[float, float | None]] | None = self._checked_claims
+        try:
+            checked = cache.get(numbers)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - unhashable: the checks below say what is wrong
+            checked, cache = None, None
+        if checked is not None:
+            return self._claim_name(key, suffix), checked[0], checked[1]
+        if guard_for is not None:
+            guard_for = limits.seconds("guard_for", guard_for, 0.0, limits.MAX_TTL)
+        name = self._claim_name(key, suffix)
+        ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
+        if cache is not None:
+            if len(cache) >= NUMBERS_CACHED:
+                cache.clear()
+            cache[numbers] = (ttl, guard_for)
+        return name, ttl, guard_for
 
     def locked(self, key: str) -> bool:
         """True when anyone (this client included) holds ``key`` on a quorum right now.
@@ -972,7 +998,7 @@ class Redlock:
         # every core busy it would take CPU from the masters and the task bodies.
         spin = (
             spin_wait
-            if spin_wait and self._reply_wait <= spin_wait and not waiting.cores_busy()
+            if wait and spin_wait and self._reply_wait <= spin_wait and not waiting.cores_busy()
             else 0.0
         )
         result = run_round(
@@ -1176,7 +1202,8 @@ class Redlock:
 
         with self._lane(lease._lane) as lane:
             result = self._round(lane, [payload] * n, decided, wait=wait)
-        deleted, refused = count(result)
+        # Not waited for, no reply is read: none is counted (every slot is left late).
+        deleted, refused = count(result) if wait else (0, 0)
         if result.errors:
             # Per master, rate-limited: a master that stays down must not cost a log
             # line per release (thousands a second).
