@@ -71,6 +71,7 @@ class MemoryRedlock(Redlock):
         #: lock key -> its Redis key names (see Redlock._keys, which claims use too)
         self._names: dict[str, tuple[str, str, str]] = {}
         self._checked_numbers: dict[tuple[object, ...], CheckedNumbers] = {}
+        self._checked_claims: dict[tuple[object, ...], tuple[float, float | None]] = {}
         #: Redis key name of a lock -> its lease, so that deleting its key by another way
         #: (``clear_lock``, a revoke's release) makes an auto-renewed one lost, as the Redis
         #: backend's next renewal would (one without renewal reads held until its TTL there
@@ -298,8 +299,7 @@ class MemoryRedlock(Redlock):
         guard_for: float | None = None,
     ) -> tuple[str, bool]:
         """:meth:`Redlock.claim`, in this process."""
-        name = self._claim_name(key, suffix)
-        ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
+        name, ttl, _ = self._claim_arguments(key, suffix, ttl, guard_for)
         with self._mutex:
             holder = self._get(name)
             if holder is not None:

@@ -128,6 +128,52 @@ def test_acquire_argument_checks_answer_as_a_fresh_client_does(
         cached.close()
 
 
+def _claim_outcome(redlock: Redlock, ttl: object, guard_for: object, suffix: str) -> object:
+    try:
+        name, checked_ttl, checked_guard = redlock._claim_arguments(
+            "report",
+            suffix,
+            ttl,  # type: ignore[arg-type]
+            guard_for,  # type: ignore[arg-type]
+        )
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return name, [(type(v).__name__, v) for v in (checked_ttl, checked_guard)]
+
+
+_claim_calls = st.lists(
+    st.tuples(_numbers, _numbers, st.sampled_from(["dedupe:job", "meta", "fence", ""])),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_claim_calls)
+def test_claim_argument_checks_answer_as_a_fresh_client_does(
+    calls: list[tuple[object, object, str]],
+) -> None:
+    # Refused suffixes beside valid numbers: a remembered ttl must not skip the name's check.
+    cached = Redlock(URLS)
+    memory = MemoryRedlock()
+    try:
+        for ttl, guard_for, suffix in calls:
+            fresh = Redlock(URLS)
+            try:
+                expected = _claim_outcome(fresh, ttl, guard_for, suffix)
+            finally:
+                fresh.close()
+            assert _claim_outcome(cached, ttl, guard_for, suffix) == expected
+            assert _claim_outcome(memory, ttl, guard_for, suffix) == expected
+    finally:
+        cached.close()
+
+
+def test_the_memory_backend_refuses_a_bad_guard_for_as_redlock_does() -> None:
+    with pytest.raises(ValueError, match="guard_for"):
+        MemoryRedlock().claim("report", "dedupe:job", "id-1", 60, guard_for=-1)
+
+
 _LOOKALIKES = [(1, True), (0, False), (True, 1), (1, 1.0), (1.0, _Int(1)), (0.0, -0.0)]
 
 
