@@ -70,6 +70,9 @@ class AcquireArguments(NamedTuple):
 
 
 _JUST_STR = {str}
+#: the types whose checked numbers may be remembered: a subclass of int or float may
+#: compare and hash as one value and convert (``float()``) to another
+_PLAIN_NUMBERS = frozenset({int, float, type(None)})
 
 #: ttl, blocking_timeout, max_hold, renew_every, renew_every_default (see AcquireArguments)
 CheckedNumbers = tuple[float, float | None, float | None, float, bool]
@@ -348,8 +351,8 @@ class Redlock:
         # once checked, they are remembered, with their types (True is not 1 here).
         numbers = (
             ttl, type(ttl), blocking_timeout, type(blocking_timeout), max_hold,
-            type(max_hold), renew_every, type(renew_every), auto_renew, self.node_timeout,
-            self.clock_drift_factor,
+            type(max_hold), renew_every, type(renew_every), auto_renew, type(auto_renew),
+            self.node_timeout, self.clock_drift_factor,
         )  # fmt: skip
         cache: dict[tuple[object, ...], CheckedNumbers] | None = self._checked_numbers
         try:
@@ -358,7 +361,13 @@ class Redlock:
             checked, cache = None, None
         if checked is None:
             checked = self._check_numbers(ttl, blocking_timeout, max_hold, renew_every, auto_renew)
-            if cache is not None:
+            if (
+                cache is not None
+                and _PLAIN_NUMBERS.issuperset(numbers[1:8:2])
+                and type(auto_renew) in (bool, int)
+            ):
+                # Only plain numbers: the key holds the types, so a subclass is never
+                # looked up as a plain number, and is itself checked on every call.
                 if len(cache) >= NUMBERS_CACHED:
                     cache.clear()
                 cache[numbers] = checked
@@ -753,7 +762,8 @@ class Redlock:
             guard_for = limits.seconds("guard_for", guard_for, 0.0, limits.MAX_TTL)
         name = self._claim_name(key, suffix)
         ttl = limits.seconds("ttl", ttl, 0.0, limits.MAX_CLAIM_TTL, low_open=True)
-        if cache is not None:
+        if cache is not None and _PLAIN_NUMBERS.issuperset(numbers[1::2]):
+            # Only plain numbers (see _acquire_arguments).
             if len(cache) >= NUMBERS_CACHED:
                 cache.clear()
             cache[numbers] = (ttl, guard_for)

@@ -41,16 +41,34 @@ class _Str(str):
     __slots__ = ()
 
 
+class _Unit(int):
+    """A duration with a unit: compares and hashes as its count, converts to seconds
+    (found by the hostile review: a cache keyed on value and type took one for another)."""
+
+    unit: float
+
+    def __new__(cls, count: int, unit: float) -> _Unit:
+        self = super().__new__(cls, count)
+        self.unit = unit
+        return self
+
+    def __float__(self) -> float:
+        return int(self) * self.unit
+
+
 class _Color(enum.IntEnum):
     RED = 1
 
 
 # Few values, so that calls repeat: those a cache could take for one another (True and 1,
 # 0.0 and -0.0, 1 and 1.0 and an int subclass) and some refused ones (NaN each time a new
-# object, an unhashable list, a str, numbers out of range).
-_numbers = st.sampled_from(
-    [None, True, 1, 1.0, _Int(1), 0.3, 30, -0.0, 0.0, 86401, float("nan"), "30", [30]]
-)
+# object, an unhashable list, a str, numbers out of range), and ints that compare as one
+# number and convert to another.
+_NUMBERS = [
+    None, True, 1, 1.0, _Int(1), 0.3, 30, -0.0, 0.0, 86401, float("nan"), "30", [30],
+    _Unit(30, 1.0), _Unit(30, 60.0), _Unit(30, float("inf")), _Unit(5, -1.0),
+]  # fmt: skip
+_numbers = st.sampled_from(_NUMBERS)
 _meta = st.one_of(
     st.none(),
     st.dictionaries(
@@ -167,6 +185,30 @@ def test_claim_argument_checks_answer_as_a_fresh_client_does(
             assert _claim_outcome(memory, ttl, guard_for, suffix) == expected
     finally:
         cached.close()
+
+
+def test_a_number_subclass_is_checked_on_every_call() -> None:
+    # The hostile review's case: a claim with a 30 s duration, then one of 30 minutes that
+    # compares and hashes as the same 30, got the first one's TTL (and an infinite one
+    # was let through).
+    redlock = Redlock(URLS)
+    try:
+        assert redlock._claim_arguments("report", "dedupe:job", _Unit(30, 1.0), None)[1] == 30
+        assert redlock._claim_arguments("report", "dedupe:job", _Unit(30, 60.0), None)[1] == 1800
+        with pytest.raises(ValueError, match="ttl"):
+            redlock._claim_arguments("report", "dedupe:job", _Unit(30, float("inf")), None)
+        with pytest.raises(ValueError, match="guard_for"):
+            redlock._claim_arguments("report", "dedupe:job", 60, _Unit(5, -1.0))
+        assert (
+            redlock._acquire_arguments("report", _Unit(30, 1.0), 0, None, None, None, None).ttl
+            == 30
+        )
+        assert (
+            redlock._acquire_arguments("report", _Unit(30, 60.0), 0, None, None, None, None).ttl
+            == 1800
+        )
+    finally:
+        redlock.close()
 
 
 def test_the_memory_backend_refuses_a_bad_guard_for_as_redlock_does() -> None:
