@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,9 +42,13 @@ from benchmarks.common import (
     table,
     times,
 )
-from benchmarks.raw_rounds import acquire_payload, claim_payload, lock_name, release_payload
-from celery_redlock.lock import scripts
-from celery_redlock.lock.wire import pack
+from benchmarks.raw_rounds import (
+    acquire_payload,
+    claim_payload,
+    connect,
+    lock_name,
+    release_payload,
+)
 from celery_redlock.testing import RedisServer, start_masters, wait_for
 
 STORM = 1000
@@ -131,16 +134,8 @@ def _round_trip_floor(masters: Any, jobs: int = 3000) -> tuple[float, float]:
     the clock starts: what any implementation of these three rounds must pay here, with
     no library code in it.
     """
-    links = []
-    for master in masters:
-        link = socket.create_connection((master.host, master.port), timeout=10)
-        link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        links.append(link)
+    links = [connect(master.host, master.port) for master in masters]
     try:
-        for link in links:
-            for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
-                link.sendall(pack(("SCRIPT", "LOAD", script.source)))
-                link.recv(128)
         payloads = []
         for job in range(jobs):
             lock = lock_name("floor", job)

@@ -25,7 +25,24 @@ from benchmarks.common import META_FIELDS
 from celery_redlock.lock import scripts
 from celery_redlock.lock.wire import pack_command
 
-__all__ = ["RawRounds", "acquire_payload", "claim_payload", "lock_name", "release_payload"]
+__all__ = [
+    "RawRounds",
+    "acquire_payload",
+    "claim_payload",
+    "connect",
+    "lock_name",
+    "release_payload",
+]
+
+
+def connect(host: str, port: int) -> socket.socket:
+    """A blocking connection to a master, ``TCP_NODELAY``, with the three scripts loaded."""
+    link = socket.create_connection((host, port), timeout=10)
+    link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
+        link.sendall(pack_command(("SCRIPT", "LOAD", script.source)))
+        link.recv(128)
+    return link
 
 
 def lock_name(task: str, i: int) -> str:
@@ -59,11 +76,7 @@ class RawRounds:
         self.readers: dict[int, hiredis.Reader] = {}
         self.owed: dict[int, int] = {}
         for host, port in addresses:
-            link = socket.create_connection((host, port), timeout=10)
-            link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for script in (scripts.CLAIM, scripts.ACQUIRE, scripts.RELEASE):
-                link.sendall(pack_command(("SCRIPT", "LOAD", script.source)))
-                link.recv(128)
+            link = connect(host, port)
             link.setblocking(False)
             self.links.append(link)
             self.readers[link.fileno()] = hiredis.Reader()

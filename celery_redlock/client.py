@@ -37,23 +37,28 @@ def client_for(app: Any, settings: RedlockSettings) -> Redlock:
     """:func:`redlock_for` for a caller that has just looked ``app``'s settings up
     (``get_settings(app)``): one settings lookup per call, not two, when the client of
     those settings is the last one handed out (the usual case)."""
-    last_settings, last_client = _last
-    if last_settings() is settings:
-        found: Redlock | None = last_client()
-        if found is not None:
-            return found
+    found = _last_client(settings)
+    if found is not None:
+        return found
     # The lookup of record, with the app's settings of now: a reset since the caller
     # looked must not bring back (and install) a client of the settings it replaced.
     return redlock_for(app)
 
 
-def _client(app: Any, settings: RedlockSettings) -> Redlock:
-    global _last
+def _last_client(settings: RedlockSettings) -> Redlock | None:
+    """The last client handed out, if it is the one of ``settings`` and still alive."""
     last_settings, last_client = _last
     if last_settings() is settings:
         found: Redlock | None = last_client()
-        if found is not None:
-            return found  # the usual case: one app, asked on every publish and run
+        return found
+    return None
+
+
+def _client(app: Any, settings: RedlockSettings) -> Redlock:
+    global _last
+    found = _last_client(settings)
+    if found is not None:
+        return found  # the usual case: one app, asked on every publish and run
     with _lock:
         entry = _clients.get(app)
         if entry is None or entry[0] is not settings:

@@ -453,8 +453,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         ):
             return publish(task_id)
         settings, opts = self._resolved()
-        if overrides:
-            opts = with_call_options(opts, overrides, settings)
+        opts = with_call_options(opts, overrides, settings)
         if opts.dedupe is None:
             return publish(task_id)
         unlike = self._unlike_its_duplicates(options)
