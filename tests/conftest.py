@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from celery_redlock.lock.master import forget_restarts
 from celery_redlock.testing import (
     Masters,
     RedisServer,
@@ -84,8 +85,13 @@ def masters(request: pytest.FixtureRequest, redis_binary: str) -> Iterator[Maste
     Another count: ``@pytest.mark.parametrize("masters", [1, 3, 5], indirect=True)``.
     """
     count = getattr(request, "param", 3)
+    # Master identities (run_ids) are kept per address for the whole process: a fresh
+    # server on a port an earlier test's server had would look restarted, and be kept out
+    # of every quorum for the longest TTL granted so far (an acquire then lands on 2 of 3).
+    forget_restarts()
     with start_masters(count, binary=redis_binary) as servers:
         yield servers
+    forget_restarts()
 
 
 @pytest.fixture(scope="session")

@@ -384,3 +384,18 @@ def test_rabbitmq_url_without_a_broker_fails_on_ci_and_skips_elsewhere(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", timeout=60)
     result.assert_outcomes(**{outcome: 1})
     result.stdout.fnmatch_lines([f"*RabbitMQ not reachable on 127.0.0.1:{closed_port}*"])
+
+
+def test_the_masters_fixture_forgets_master_identities_seen_before(
+    request: pytest.FixtureRequest,
+) -> None:
+    # An earlier test's server, on a port this test's servers may reuse: remembered, its
+    # run_id made a fresh server look restarted (kept out of the quorum; a CI failure:
+    # an acquire held on 2 of 3 masters).
+    from celery_redlock.lock import master as master_module
+
+    master_module._known_run_ids["redis://127.0.0.1:6400/0"] = "a-server-gone-since"
+    master_module._restarted_at["redis://127.0.0.1:6400/0"] = 0.0
+    request.getfixturevalue("masters")
+    assert not master_module._known_run_ids
+    assert not master_module._restarted_at

@@ -115,10 +115,7 @@ def forget_masters() -> None:
     All three are process-wide on purpose (a new client still keeps a restarted master
     out); between tests they would leak one test's servers and TTLs into the next.
     """
-    master_module._known_run_ids.clear()
-    master_module._restarted_at.clear()
-    master_module._restarted_run_ids.clear()
-    master_module._longest_granted = 0.0
+    master_module.forget_restarts()
 
 
 def lock_name(key: str, suffix: str | None = None) -> str:
