@@ -218,6 +218,7 @@ def _profile(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> list[
 
 _AREAS = (
     ("celery-redlock", "celery_redlock"),
+    ("raw rounds (benchmarks/raw_rounds.py)", "raw_rounds"),
     ("celery-singleton", "/celery_singleton/"),
     ("celery-once", "/celery_once/"),
     ("redis-py", "/redis/"),
@@ -257,13 +258,18 @@ def _bytecodes(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> lis
     library versions, so changes to the library's own work show in it exactly, where CPU
     times move by tens of µs between runs and by 1.7x between hosts. It leaves out what a
     bytecode costs (a C call counts one) and the system calls, which the rows above time.
+    The raw rounds build their payloads with the library's script encoder (the same
+    scripts): those few bytecodes count in its row.
     """
     with start_masters(n_masters) as masters:
         app = _app(masters, counter)
+        raw = RawRounds((m.host, m.port) for m in masters)
         contenders = [
-            Contender(app, name, task, None)
-            for name, task in ((PLAIN, "bench.plain"), (OURS, "bench.job"),
-                               (SINGLETON, "bench.singleton"), (ONCE, "bench.once"))
+            Contender(app, name, task, rounds)
+            for name, task, rounds in ((PLAIN, "bench.plain", None), (RAW, "bench.plain", raw),
+                                       (OURS, "bench.job", None),
+                                       (SINGLETON, "bench.singleton", None),
+                                       (ONCE, "bench.once", None))
         ]  # fmt: skip
         counts: dict[str, dict[str, int]] = {}
         for contender in contenders:
@@ -276,12 +282,17 @@ def _bytecodes(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> lis
             finally:
                 sys.settrace(None)
             counts[contender.name] = {a: round(c / jobs) for a, c in tracer.per_area.items()}
+        raw.close()
     plain = sum(counts[PLAIN].values())
     names = [name for name, _ in _AREAS] + [_OTHER]
     rows = [[name, *(str(counts[c.name].get(name, 0)) for c in contenders)] for name in names]
     rows.append(["total", *(str(sum(counts[c.name].values())) for c in contenders)])
     beyond = (str(sum(counts[c.name].values()) - plain) for c in contenders)
     rows.append(["beyond plain", *beyond])
+    floor = sum(counts[RAW].values())
+    rows.append(["beyond the raw rounds", *(
+        str(sum(counts[c.name].values()) - floor) if c.name == OURS else "-" for c in contenders
+    )])  # fmt: skip
     return [
         f"Python bytecodes per job ({jobs} jobs each, {n_masters} master(s); sys.settrace): a",
         "count, the same on every machine for the same code and library versions",
