@@ -369,8 +369,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _resolved(self) -> tuple[RedlockSettings, TaskOptions]:
         """The app's settings and this task's options resolved against them: what
         :meth:`redlock_options` returns, with one settings lookup for both (cached)."""
-        if type(self).redlock_options is not SingletonTask.redlock_options:
-            # A subclass decides its options: every path asks it, as it always did.
+        if (
+            type(self).redlock_options is not SingletonTask.redlock_options
+            or "redlock_options" in self.__dict__
+        ):
+            # A subclass, or the task itself (a test's mock.patch.object), decides its
+            # options: every path asks it, as it always did.
             return get_settings(self.app), self.redlock_options()
         return self._resolved_here()
 

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 from celery import Celery
@@ -213,6 +214,39 @@ def test_a_subclass_redlock_options_decides_the_publish(queued_app: Celery) -> N
     first, second = job.apply_async((1,)), job.apply_async((1,))
     assert first.id != second.id  # both published: the override turned dedupe off
     assert not redlock_for(queued_app)._values  # and no marker was claimed
+
+
+def test_an_instance_redlock_options_decides_the_publish(queued_app: Celery) -> None:
+    # Found by a hostile review: redlock_options replaced on the task instance itself (a
+    # test's mock.patch.object(job, "redlock_options", ...)) was asked by no path, only a
+    # class override was.
+    @queued_app.task(base=SingletonTask, lock_key="k:{n}", shared=False)
+    def job(n: int) -> int:
+        return n
+
+    base = job.redlock_options()
+    with mock.patch.object(
+        job, "redlock_options", return_value=dataclasses.replace(base, dedupe=None)
+    ):
+        first, second = job.apply_async((1,)), job.apply_async((1,))
+    assert first.id != second.id  # both published: the override turned dedupe off
+    assert not redlock_for(queued_app)._values  # and no marker was claimed
+
+
+def test_an_instance_redlock_options_decides_the_run(queued_app: Celery) -> None:
+    seen: dict[str, float] = {}
+
+    @queued_app.task(base=SingletonTask, lock_key="k:{n}", shared=False, bind=True)
+    def job(self: Any, n: int) -> int:
+        seen["ttl"] = self.lease.ttl
+        return n
+
+    base = job.redlock_options()
+    with mock.patch.object(
+        job, "redlock_options", return_value=dataclasses.replace(base, lock_ttl=7.0)
+    ):
+        job.apply((1,))
+    assert seen["ttl"] == 7.0
 
 
 def test_a_subclass_redlock_options_decides_the_run(queued_app: Celery) -> None:
