@@ -903,14 +903,15 @@ def get_settings(app: SupportsConf) -> RedlockSettings:
             return found  # the usual case: one app, asked on every publish and run
     generation = _generation
     cached = _cache.get(app)
-    if cached is not None and cached[0] is conf:
-        settings = cached[1]
-    else:
-        settings = settings_from_conf(conf)
-        _cache[app] = (conf, settings)
+    fresh = cached is None or cached[0] is not conf
+    settings = settings_from_conf(conf) if fresh else cached[1]  # type: ignore[index]
     with _last_lock:
-        # Not when a reset came since this call looked: its answer may predate the reset.
+        # Not when a reset came since this call looked: its answer may predate the reset
+        # (values read before a change that the reset stands for), and kept it would
+        # outlive the reset for good.
         if generation == _generation:
+            if fresh:
+                _cache[app] = (conf, settings)
             try:
                 _last = (weakref.ref(app), weakref.ref(conf), weakref.ref(settings))
             except TypeError:  # an app or conf that takes no weak reference
@@ -924,10 +925,10 @@ def reset_settings(app: SupportsConf | None = None) -> None:
     with _last_lock:
         _generation += 1
         _last = _NO_LAST
-    if app is None:
-        _cache.clear()
-    else:
-        _cache.pop(app, None)
+        if app is None:
+            _cache.clear()
+        else:
+            _cache.pop(app, None)
 
 
 # -- task options --------------------------------------------------------------------------

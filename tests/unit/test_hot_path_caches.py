@@ -400,6 +400,39 @@ def test_a_reset_during_a_settings_lookup_is_not_lost(monkeypatch: pytest.Monkey
     assert [get_settings(app).ttl for _ in range(3)] == [45, 45, 45]
 
 
+class _PausingConf(_Conf):
+    """A conf whose read of ``redlock_ttl`` by the thread named "racer" pauses once: a
+    lookup preempted with the old value in hand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paused, self.resume, self.done = threading.Event(), threading.Event(), False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        found = super().get(key, default)
+        if key == "redlock_ttl" and threading.current_thread().name == "racer" and not self.done:
+            self.done = True
+            self.paused.set()
+            self.resume.wait(10)
+        return found
+
+
+def test_a_reset_while_a_lookup_reads_the_conf_is_not_lost() -> None:
+    # Found by a hostile review: the lookup stored what it had read into the per-app cache
+    # after the reset that stood for a change, and every later lookup kept it.
+    reset_settings()
+    conf = _PausingConf(redlock_backend="memory", redlock_ttl=30)
+    app = _App(conf)
+
+    def reconfigure() -> None:
+        conf["redlock_ttl"] = 45
+        reset_settings(app)
+
+    _race(lambda: get_settings(app), reconfigure, conf)  # type: ignore[arg-type]
+    assert [get_settings(app).ttl for _ in range(3)] == [45, 45, 45]
+    reset_settings()
+
+
 def test_a_reset_during_a_client_lookup_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = _Pausing(unless_held=client_module._lock)
     monkeypatch.setattr(client_module, "_clients", cache)
