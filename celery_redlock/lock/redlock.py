@@ -201,6 +201,8 @@ class Redlock:
         self._checked_numbers: dict[tuple[object, ...], CheckedNumbers] = {}
         #: claim's ttl and guard_for (with their types) -> checked (see claim)
         self._checked_claims: dict[tuple[object, ...], tuple[float, float | None]] = {}
+        #: the masters' run_ids and the order of claim_order() they give
+        self._claim_order: tuple[tuple[str | None, ...], list[int]] = ((), [])
         if spin_wait >= self.node_timeout:
             raise ImproperlyConfigured(
                 f"spin_wait must be shorter than node_timeout ({self.node_timeout}s), "
@@ -625,7 +627,12 @@ class Redlock:
 
         Returns ``(holder, fresh)``: the value that holds a quorum afterwards
         (``value`` when the claim is ours, else the other claimant's) and whether
-        this call created it (False when ``value`` was already there). When no
+        this call created it (False when ``value`` was already there). Several calls
+        claiming the same value at once may each create it on some masters only: then
+        the one that created it on the first master holding it, in an order every client
+        agrees on (:meth:`claim_order`), gets ``fresh`` True, the others False (when a
+        master before it did not answer, every call that created it somewhere gets True:
+        a second publish rather than none). When no
         value reaches a quorum (several claimants raced), our partial claim is
         undone and the claim tried again a few times. Raises
         :class:`QuorumUnavailable` when too few masters answer and
@@ -669,12 +676,21 @@ class Redlock:
                         quarantined = self._quarantined(self._clock())
 
                         def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
-                            votes: dict[object, int] = {}
+                            votes: dict[bytes | None, int] = {}
                             for i, x in enumerate(r.replies):
                                 if x is not None and i not in quarantined:
                                     h = holder_of(x)
                                     votes[h] = votes.get(h, 0) + 1
-                            return any(c >= q for h, c in votes.items() if h is not None)
+                            for held, c in votes.items():
+                                if held is not None and c >= q:
+                                    # Ours: who created it is known once the masters before
+                                    # the first one holding it have answered (see below).
+                                    # (The order is taken now: the round connects first,
+                                    # and a connect learns a master's run_id.)
+                                    return held != ours or _creator_known(
+                                        r, self.claim_order(), quarantined, ours, self.masters
+                                    )
+                            return False
 
                         payloads = [None if i in quarantined else payload for i in range(n)]
                         result = self._round(lane, payloads, decided, valid=_claim_replies)
@@ -690,7 +706,15 @@ class Redlock:
                             guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
                             if guarded:
                                 self._granted(guarded)
-                            created = fresh >= q
+                            # Created on every master holding it, or on none: no other
+                            # call can have created it first (_created_first agrees).
+                            created = (
+                                fresh > 0
+                                if fresh == 0 or fresh == votes[ours]
+                                else _created_first(
+                                    result, self.claim_order(), quarantined, ours, fresh
+                                )
+                            )
                             return value, created
                         mine = {
                             i
@@ -740,6 +764,19 @@ class Redlock:
                     lane.lock.release()
             raise
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
+
+    def claim_order(self) -> list[int]:
+        """The indexes of :attr:`masters` in an order every client of these servers agrees
+        on, whatever names or order it was given them in: by run_id (learnt on connect),
+        then by name. :meth:`claim` tells several calls that claimed one value at once
+        apart by it."""
+        run_ids = tuple(m.run_id for m in self.masters)
+        known, order = self._claim_order
+        if known != run_ids:
+            masters = self.masters
+            order = sorted(range(len(masters)), key=lambda i: (run_ids[i] or "", masters[i].name))
+            self._claim_order = (run_ids, order)
+        return order
 
     def _claim_arguments(
         self, key: str, suffix: str, ttl: float, guard_for: float | None
@@ -1516,6 +1553,59 @@ class Redlock:
         self._lanes = []
         self._renew_lane = None
         self._fence_keys_lock = threading.Lock()
+
+
+def _creator_known(
+    result: RoundResult,
+    order: Sequence[int],
+    excluded: Set[int],
+    ours: bytes,
+    masters: Sequence[Master],
+) -> bool:
+    """Whether every master before the first one holding ``ours`` (in ``order``; those in
+    ``excluded`` skipped) has answered, failed or is known down: a claim that holds a
+    quorum then knows whether it created the value there (see :func:`_created_first`)."""
+    replies = result.replies
+    if None not in replies:
+        return True  # every master answered (one master: as soon as it did)
+    for i in order:
+        if i in excluded:
+            continue
+        reply = replies[i]
+        if reply is None:
+            return i in result.errors or masters[i].down
+        if reply[0] == 1 or reply[0] == ours:
+            return True
+    return True
+
+
+def _created_first(
+    result: RoundResult, order: Sequence[int], excluded: Set[int], ours: bytes, fresh: int
+) -> bool:
+    """Whether a claim whose value holds a quorum stands for creating it.
+
+    Several calls claiming the same value at once (publishes of one job id) each create it
+    on the masters they reach first, and each reads it as already there on the others: by
+    its count alone none may have created it on a quorum, and every one would take the job
+    for published by another. The call that created it on the first master holding it (in
+    ``order``, which every client of these servers agrees on) stands for creating it; the
+    others see that master's value as already there, first. When a master before that one
+    gave no reply, the call cannot tell: it stands for creating it if it created the value
+    anywhere (``fresh``), so that a race then costs a second publish, never the job.
+    """
+    replies = result.replies
+    for i in order:
+        if i in excluded:
+            continue
+        reply = replies[i]
+        if reply is None:
+            return fresh > 0
+        if reply[0] == 1:
+            return True
+        if reply[0] == ours:
+            return False  # there before this call: another call created it here
+        # another value (a claim that lost the race) is no creation of ours: look further
+    return fresh > 0
 
 
 def _tally(

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 from celery import Task
+from celery.signals import after_task_publish
 
 from celery_redlock import SingletonTask
+from celery_redlock.client import redlock_for
 from celery_redlock.testing import wait_for
 
 from .redlock_testkit import CeleryEnv, Span, assert_no_overlap, run_worker
@@ -149,3 +151,36 @@ def test_arguments_no_worker_can_decode_claim_no_marker(
     assert _marker_ttls(env) == []
     assert "published without dedupe" in caplog.text
     assert odd.apply_async((1, {1: "a"})).id != first.id
+
+
+@pytest.mark.parametrize("masters", [4], indirect=True)
+def test_racing_publishes_of_one_job_id_publish_it_once(env: CeleryEnv, make_app: Any) -> None:
+    # Found by a hostile review: two callers publishing one job id at once each created
+    # its marker on 2 of 4 masters; both read "already there" and neither published it.
+    # Each caller's claim is replayed here, the other's markers written ahead of it.
+    app = make_app()
+
+    @app.task(base=SingletonTask, lock_key="r:{x}")
+    def job(x: int) -> int:
+        return x
+
+    published: list[str] = []
+
+    def note(headers: Any = None, **_: Any) -> None:
+        published.append(headers["id"])
+
+    after_task_publish.connect(note, weak=False)
+    try:
+        client = redlock_for(app)
+        key = job._publish_key(job.redlock_options(), (1,), {}, {})
+        name = client._claim_name(key, job.dedupe_suffix())
+        for mine in ({0, 1}, {2, 3}):
+            for i, server in enumerate(env.masters):
+                with server.client() as conn:
+                    conn.delete(name)
+                    if i not in mine:
+                        conn.set(name, "job-x", px=60_000)  # the other caller came first
+            assert job.apply_async((1,), task_id="job-x").id == "job-x"
+    finally:
+        after_task_publish.disconnect(note)
+    assert published == ["job-x"]  # once: neither lost nor twice
