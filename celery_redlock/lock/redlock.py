@@ -627,12 +627,13 @@ class Redlock:
 
         Returns ``(holder, fresh)``: the value that holds a quorum afterwards
         (``value`` when the claim is ours, else the other claimant's) and whether
-        this call created it (False when ``value`` was already there). Several calls
-        claiming the same value at once may each create it on some masters only: then
-        the one that created it on the first master holding it, in an order every client
-        agrees on (:meth:`claim_order`), gets ``fresh`` True, the others False (when a
-        master before it did not answer, every call that created it somewhere gets True:
-        a second publish rather than none). When no
+        this call created it: True when it wrote the value on a quorum, False when it
+        found the value already there on a quorum. Several calls claiming the same value
+        at once may each write it on some masters only, neither case: then the one that
+        wrote it on the first master holding it, in an order every client agrees on
+        (:meth:`claim_order`), gets True, the others False (when a master before it did
+        not answer, every such call that wrote it somewhere gets True: a second publish
+        rather than none). When no
         value reaches a quorum (several claimants raced), our partial claim is
         undone and the claim tried again a few times. Raises
         :class:`QuorumUnavailable` when too few masters answer and
@@ -677,18 +678,23 @@ class Redlock:
 
                         def decided(r: RoundResult, quarantined: set[int] = quarantined) -> bool:
                             votes: dict[bytes | None, int] = {}
+                            made = 0
                             for i, x in enumerate(r.replies):
                                 if x is not None and i not in quarantined:
                                     h = holder_of(x)
                                     votes[h] = votes.get(h, 0) + 1
+                                    made += x[0] == 1
                             for held, c in votes.items():
                                 if held is not None and c >= q:
-                                    # Ours: who created it is known once the masters before
-                                    # the first one holding it have answered (see below).
-                                    # (The order is taken now: the round connects first,
-                                    # and a connect learns a master's run_id.)
-                                    return held != ours or _creator_known(
-                                        r, self.claim_order(), quarantined, ours, self.masters
+                                    # Ours, neither written nor found on a quorum by this
+                                    # call: split with other calls of the same value, or
+                                    # one of them wrote a quorum: every master's answer
+                                    # tells (see _claim_created).
+                                    return (
+                                        held != ours
+                                        or made >= q
+                                        or c - made >= q
+                                        or _all_answered(r, quarantined, self.masters)
                                     )
                             return False
 
@@ -708,12 +714,14 @@ class Redlock:
                                 self._granted(guarded)
                             # Created on every master holding it, or on none: no other
                             # call can have created it first (_created_first agrees).
-                            created = (
-                                fresh > 0
-                                if fresh == 0 or fresh == votes[ours]
-                                else _created_first(
-                                    result, self.claim_order(), quarantined, ours, fresh
-                                )
+                            created = _claim_created(
+                                result,
+                                quarantined,
+                                ours,
+                                q,
+                                fresh,
+                                votes[ours] - fresh,
+                                self.claim_order,
                             )
                             return value, created
                         mine = {
@@ -1555,28 +1563,41 @@ class Redlock:
         self._fence_keys_lock = threading.Lock()
 
 
-def _creator_known(
+def _all_answered(result: RoundResult, excluded: Set[int], masters: Sequence[Master]) -> bool:
+    """Whether every master outside ``excluded`` has answered, failed or is known down."""
+    replies, errors = result.replies, result.errors
+    for i, reply in enumerate(replies):
+        if reply is None and i not in excluded and i not in errors and not masters[i].down:
+            return False
+    return True
+
+
+def _claim_created(
     result: RoundResult,
-    order: Sequence[int],
     excluded: Set[int],
     ours: bytes,
-    masters: Sequence[Master],
+    quorum: int,
+    made: int,
+    found: int,
+    order: Callable[[], Sequence[int]],
 ) -> bool:
-    """Whether every master before the first one holding ``ours`` (in ``order``; those in
-    ``excluded`` skipped) has answered, failed or is known down: a claim that holds a
-    quorum then knows whether it created the value there (see :func:`_created_first`)."""
-    replies = result.replies
-    if None not in replies:
-        return True  # every master answered (one master: as soon as it did)
-    for i in order:
-        if i in excluded:
-            continue
-        reply = replies[i]
-        if reply is None:
-            return i in result.errors or masters[i].down
-        if reply[0] == 1 or reply[0] == ours:
-            return True
-    return True
+    """Whether a claim whose value ``ours`` holds a quorum stands for creating it: it
+    wrote it on ``made`` masters and found it already there on ``found`` (counted outside
+    ``excluded``).
+
+    Made on a quorum: yes. Found on a quorum: no, it was there before this call (a finished
+    claim's; a copy written again on a master that had lost it, restarted empty, is no new
+    creation). Neither: the value was split between calls claiming it at once, and
+    :func:`_created_first` elects one of them (``order()`` is asked only then). Three or
+    more calls can split it so that each finds it on a quorum (one master each of three):
+    none then stands for it, as before this rule; telling them from a finished claim would
+    take a value unique to each call.
+    """
+    if made >= quorum:
+        return True
+    if made == 0 or found >= quorum:
+        return False
+    return _created_first(result, order(), excluded, ours, made)
 
 
 def _created_first(

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_redlock.lock.fanout import RoundResult
-from celery_redlock.lock.redlock import _created_first, _creator_known
+from celery_redlock.lock.redlock import _all_answered, _claim_created
 from celery_redlock.testing import Masters
 
 from . import helpers
@@ -74,58 +74,103 @@ def _races(draw: st.DrawFn) -> tuple[list[int | None], int, list[int]]:
 def _outcomes(
     creators: list[int | None], racers: int, order: list[int], heard: list[set[int]]
 ) -> list[bool]:
-    return [
-        _created_first(
-            _view(creators, r, heard[r]),
-            order,
-            set(),
-            OURS,
-            sum(1 for i, c in enumerate(creators) if c == r and i in heard[r]),
-        )
-        for r in range(racers)
-    ]
+    """Each racer's fresh, decided as claim() decides it from what that racer read."""
+    quorum = len(creators) // 2 + 1
+    out = []
+    for r in range(racers):
+        made = sum(1 for i, c in enumerate(creators) if i in heard[r] and c == r)
+        found = sum(1 for i, c in enumerate(creators) if i in heard[r] and c not in (None, r))
+        if made + found < quorum:
+            out.append(False)  # not a quorum of the value in this view: claim() retries
+            continue
+        view = _view(creators, r, heard[r])
+        out.append(_claim_created(view, set(), OURS, quorum, made, found, lambda: order))
+    return out
+
+
+def _made(creators: list[int | None], racer: int) -> int:
+    return sum(1 for c in creators if c == racer)
 
 
 @given(_races())
 @settings(max_examples=300, deadline=None)
-def test_racers_that_read_every_master_elect_exactly_one_creator(race: Any) -> None:
+def test_racers_that_read_every_master_elect_at_most_one_creator(race: Any) -> None:
     creators, racers, order = race
     everything = set(range(len(creators)))
     winners = _outcomes(creators, racers, order, [everything] * racers)
-    assert winners.count(True) == 1, (creators, order, winners)
+    assert winners.count(True) <= 1, (creators, order, winners)
+
+
+@given(_races())
+@settings(max_examples=300, deadline=None)
+def test_a_split_elects_its_first_creator_unless_it_found_a_quorum(race: Any) -> None:
+    # Every racer read every master. A racer that wrote a quorum is elected; otherwise the
+    # one that wrote the first master holding the value, unless it found the value on a
+    # quorum written by the others (three or more racers, one master each of three): that
+    # split cannot be told from a finished claim without a value unique to each call.
+    creators, racers, order = race
+    n, quorum = len(creators), len(creators) // 2 + 1
+    holders = sum(1 for c in creators if c is not None)
+    if holders < quorum:
+        return  # the value holds no quorum: claim() undoes and tries again
+    winners = _outcomes(creators, racers, order, [set(range(n))] * racers)
     first = next(creators[i] for i in order if creators[i] is not None)
-    assert winners[first]  # the one that created it on the first master holding it
+    assert first is not None
+    strong = [r for r in range(racers) if _made(creators, r) >= quorum]
+    if strong:
+        assert winners == [r == strong[0] for r in range(racers)], (creators, winners)
+    elif holders - _made(creators, first) < quorum:
+        assert winners == [r == first for r in range(racers)], (creators, order, winners)
 
 
 @given(_races(), st.data())
 @settings(max_examples=300, deadline=None)
-def test_some_racer_stands_for_creating_it_whatever_replies_went_missing(
+def test_a_value_found_on_a_quorum_is_never_taken_for_created(
     race: Any, data: st.DataObject
 ) -> None:
-    # A reply a racer did not read (a timeout, a master down, a round decided early) may
-    # cost a second publish, never the job: some racer that created it somewhere says so.
+    # A later claim of a finished claim's value, with the value lost on some masters (a
+    # master restarted empty), writes it there again: it must not take the job for new
+    # (found by the review of the first version of this rule: the job was published twice).
     creators, racers, order = race
-    n = len(creators)
+    n, quorum = len(creators), len(creators) // 2 + 1
+    heard = [data.draw(st.sets(st.integers(0, n - 1))) for _ in range(racers)]
+    winners = _outcomes(creators, racers, order, heard)
+    for r in range(racers):
+        found = sum(1 for i in heard[r] if creators[i] not in (None, r))
+        if found >= quorum:
+            assert not winners[r], (creators, heard[r], r)
+
+
+@given(_races(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_missing_replies_never_cost_a_creator_the_old_rule_elected(
+    race: Any, data: st.DataObject
+) -> None:
+    # Before this rule only a racer that wrote a quorum stood for creating the value: one
+    # that still reads its own writes is elected whatever else it missed.
+    creators, racers, order = race
+    n, quorum = len(creators), len(creators) // 2 + 1
     heard = [
         {i for i in range(n) if creators[i] == r} | data.draw(st.sets(st.integers(0, n - 1)))
         for r in range(racers)
     ]
     winners = _outcomes(creators, racers, order, heard)
-    assert any(winners), (creators, order, heard, winners)
+    for r in range(racers):
+        if _made(creators, r) >= quorum:
+            assert winners[r], (creators, heard, winners)
 
 
-def test_a_claim_waits_for_the_masters_before_the_first_holding_its_value() -> None:
+def test_a_split_claim_waits_for_every_master_that_may_answer() -> None:
+    # Split with other calls (neither written nor found on a quorum yet): only every
+    # master's answer tells whether another call wrote a quorum.
     masters = [_Master(), _Master(), _Master()]
-    # Ours is on masters 1 and 2 (a quorum); master 0 comes first and has not answered.
     waiting = RoundResult([None, [1], [OURS]])
-    assert not _creator_known(waiting, [0, 1, 2], set(), OURS, masters)  # type: ignore[arg-type]
-    assert _creator_known(waiting, [1, 0, 2], set(), OURS, masters)  # type: ignore[arg-type]
+    assert not _all_answered(waiting, set(), masters)  # type: ignore[arg-type]
     failed = RoundResult([None, [1], [OURS]], errors={0: "no reply"})
-    assert _creator_known(failed, [0, 1, 2], set(), OURS, masters)  # type: ignore[arg-type]
+    assert _all_answered(failed, set(), masters)  # type: ignore[arg-type]
+    assert _all_answered(waiting, {0}, masters)  # type: ignore[arg-type]  # kept out
     masters[0].down = True  # known down: not waited for
-    assert _creator_known(waiting, [0, 1, 2], set(), OURS, masters)  # type: ignore[arg-type]
-    excluded = RoundResult([None, [1], [OURS]])  # kept out after a restart: skipped
-    assert _creator_known(excluded, [0, 1, 2], {0}, OURS, [_Master()] * 3)  # type: ignore[arg-type]
+    assert _all_answered(waiting, set(), masters)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("masters", [4], indirect=True)
@@ -149,6 +194,21 @@ def test_complementary_splits_give_the_creation_to_exactly_one(masters: Masters)
     assert outcomes[0] is (first in {0, 1})
 
 
+@pytest.mark.parametrize("masters", [3, 5], indirect=True)
+def test_a_claim_again_after_a_master_lost_the_value_is_not_fresh(masters: Masters) -> None:
+    # The second review's reproduction: the marker of a published job is lost on the first
+    # master of the order (restarted empty); publishing the same id again writes it there
+    # and found it on the others. It is the same job: not fresh (the first version of the
+    # rule said fresh, and the job was published twice).
+    rl = make_redlock(masters)
+    assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
+    name = rl._claim_name("k", "dedupe:t")
+    with masters[rl.claim_order()[0]].client() as conn:
+        conn.delete(name)
+    again = make_redlock(masters)
+    assert again.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
+
+
 def _claim_in_child(urls: list[str], key: str, value: str, barrier: Any, out: Any) -> None:
     rl = make_redlock(urls, node_timeout=1.0)
     rl.held_elsewhere("warm-up")  # connected before the race
@@ -159,12 +219,11 @@ def _claim_in_child(urls: list[str], key: str, value: str, barrier: Any, out: An
         out.put(("error", repr(exc)))
 
 
-@pytest.mark.parametrize(("masters", "racers"), [(4, 2), (3, 3)], indirect=["masters"])
-def test_racing_claims_of_one_value_elect_exactly_one_creator(
-    masters: Masters, racers: int
-) -> None:
+@pytest.mark.parametrize(("masters", "racers"), [(4, 2), (3, 2), (5, 3)], indirect=["masters"])
+def test_racing_claims_of_one_value_elect_one_creator(masters: Masters, racers: int) -> None:
     # Real processes racing on real masters (the review's reproduction: on 4 masters the
-    # claims split 2/2 within a few trials, and no caller got fresh=True).
+    # claims split 2/2 within a few trials, and no caller got fresh=True). Two racers elect
+    # exactly one; three elect at most one (see _claim_created for the split they can miss).
     context = multiprocessing.get_context("fork")
     deadline = time.monotonic() + 20
     trials = 0
@@ -189,4 +248,5 @@ def test_racing_claims_of_one_value_elect_exactly_one_creator(
                     child.kill()
                     child.join(5)
         assert all(holder == value for holder, _ in results), results
-        assert [fresh for _, fresh in results].count(True) == 1, (trials, results)
+        elected = [fresh for _, fresh in results].count(True)
+        assert elected == 1 if racers == 2 else elected <= 1, (trials, results)
