@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Holding N locks, each renewed every {PERIOD:g} s; each case in a fresh process, "
         f"observed for {args.window:g} s after the first renewal.",
         "celery-redlock: one engine tick renews all N leases (one pipelined round to every "
-        "master); python-redis-lock: one thread per lock.",
+        "master per 2,000 leases); python-redis-lock: one thread per lock.",
         "",
         *table(
             [

@@ -37,6 +37,10 @@ RETRY_BASE, RETRY_CAP = 0.010, 0.200
 DEFAULT_FENCE_TTL = 7 * 24 * 3600.0
 #: Leases per EXTEND_MANY call; bounds one script's run time on the master.
 RENEW_CHUNK = 500
+#: Leases per renewal round: a round waits ``node_timeout`` for replies whatever it carries,
+#: and 10,000 extensions kept a master busy past 0.25 s on a slow 2-core host, so it was
+#: taken for not answering, and the renewals it did make were not counted.
+RENEW_ROUND = 2000
 #: Key names kept ready per client (the cache starts over when full).
 NAMES_CACHED = 4096
 #: how many combinations of acquire's numeric arguments a client remembers as checked
@@ -1425,7 +1429,8 @@ class Redlock:
         return proposal
 
     def _renew_many(self, leases: Sequence[Lease], ttls: Sequence[float]) -> list[str]:
-        """Extend ``leases[i]`` to ``ttls[i]`` on every master in one round.
+        """Extend ``leases[i]`` to ``ttls[i]`` on every master, in one round per
+        :data:`RENEW_ROUND` leases.
 
         Returns, per lease, ``"ok"`` (a quorum extended it; its deadline moved),
         ``"gone"`` (a quorum no longer knows it) or an error text (try again). The
@@ -1437,6 +1442,17 @@ class Redlock:
         on its first renewal and kept on the lease (they never change), and the
         votes are counted per master over the reply strings, not per lease.
         """
+        if len(leases) <= RENEW_ROUND:
+            return self._renew_round(leases, ttls)
+        # One round per RENEW_ROUND leases, each numbered and timed as it is sent.
+        outcomes: list[str] = []
+        for lo in range(0, len(leases), RENEW_ROUND):
+            part = slice(lo, lo + RENEW_ROUND)
+            outcomes += self._renew_round(leases[part], ttls[part])
+        return outcomes
+
+    def _renew_round(self, leases: Sequence[Lease], ttls: Sequence[float]) -> list[str]:
+        """:meth:`_renew_many` of at most :data:`RENEW_ROUND` leases, in one round."""
         start = self._clock()
         ends = [start + ttl - self._drift(ttl) for ttl in ttls]
         numbers = [
@@ -1505,14 +1521,25 @@ class Redlock:
         if self._renew_lane is None:
             self._renew_lane = self._new_lane()
         count = len(leases)
+        every = b"1" * count
 
         def tally(r: RoundResult, quarantined: set[int]) -> tuple[list[int], list[int]]:
-            ok = [0] * count
-            gone = [0] * count
+            """Per lease, the masters that extended it (``ok``) and that said it is not
+            ours there (``gone``). A master that extended every lease (the usual reply)
+            counts once for all, not lease by lease."""
+            extended_all = 0
+            mixed: list[tuple[int, bytes]] = []
             for i, replies in enumerate(r.replies):
                 flags = _flags(replies)
                 if flags is None or len(flags) != count:
                     continue
+                if flags == every:
+                    extended_all += i not in quarantined
+                else:
+                    mixed.append((i, flags))
+            ok = [extended_all] * count
+            gone = [0] * count
+            for i, flags in mixed:
                 for j, flag in enumerate(flags):
                     if flag == 49:  # b"1": extended on this master
                         if i not in quarantined:
@@ -1521,12 +1548,22 @@ class Redlock:
                         gone[j] += 1
             return ok, gone
 
+        def extended_everywhere(r: RoundResult, quarantined: set[int]) -> bool:
+            """Whether a quorum extended every lease (so :func:`tally` need not run)."""
+            extended_all = 0
+            for i, replies in enumerate(r.replies):
+                if i not in quarantined and _flags(replies) == every:
+                    extended_all += 1
+            return extended_all >= q
+
         with self._lane(self._renew_lane) as lane:
             quarantined = self._quarantined(start)
 
             def decided(r: RoundResult) -> bool:
                 # Every lease's outcome is certain: no need to wait for a slow master
                 # (the engine's one thread renews every other lease of the process too).
+                if extended_everywhere(r, quarantined):
+                    return True
                 ok, gone = tally(r, quarantined)
                 return all(a >= q or g > n - q for a, g in zip(ok, gone, strict=True))
 
@@ -1535,9 +1572,12 @@ class Redlock:
         ok, gone = tally(result, quarantined)
         out: list[str] = []
         errors: str | None = None
+        granted = 0.0
         for j, (lease, ttl) in enumerate(zip(leases, ttls, strict=True)):
             if ok[j] >= q:
-                self._granted(ttl)
+                if ttl > granted:
+                    granted = ttl
+                    self._granted(ttl)
                 if lease._confirm_extension(numbers[j], ends[j], None, self._clock()):
                     out.append("ok")
                 else:  # its validity ended while the round ran: it stays not held
