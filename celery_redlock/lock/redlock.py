@@ -1625,17 +1625,22 @@ def _claim_created(
     wrote it on ``made`` masters and found it already there on ``found`` (counted outside
     ``excluded``).
 
-    Made on a quorum: yes. Found on a quorum: no, it was there before this call (a finished
-    claim's; a copy written again on a master that had lost it, restarted empty, is no new
-    creation). Neither: the value was split between calls claiming it at once, and
-    :func:`_created_first` elects one of them (``order()`` is asked only then). Three or
-    more calls can split it so that each finds it on a quorum (one master each of three):
-    none then stands for it, as before this rule; telling them from a finished claim would
-    take a value unique to each call.
+    Made on a quorum: yes. Otherwise no when another call may have made it on a quorum:
+    the masters where it was found, with those this call could not see (no reply, down,
+    ``excluded``), reach a quorum (a finished claim's value, or a racing call that wrote a
+    quorum where this one could not look; a copy written again on a master that had lost
+    it is no new creation either). Otherwise the value was split between calls claiming
+    it at once, none with a quorum, and :func:`_created_first` elects one of them
+    (``order()`` is asked only then). Three or more calls can split it so that each finds
+    it on a quorum (one master each of three): none then stands for it, as before this
+    rule; telling them from a finished claim would take a value unique to each call.
     """
     if made >= quorum:
         return True
     if made == 0 or found >= quorum:
+        return False
+    unseen = sum(1 for i, reply in enumerate(result.replies) if reply is None or i in excluded)
+    if found + unseen >= quorum:
         return False
     return _created_first(result, order(), excluded, ours, made)
 
