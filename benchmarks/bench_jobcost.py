@@ -254,9 +254,10 @@ class _Counter:
 def _bytecodes(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> list[str]:
     """Python bytecodes executed per job, per contender and per library (``sys.settrace``).
 
-    A count, not a time: the same on every machine and every run for the same code and
-    library versions, so changes to the library's own work show in it exactly, where CPU
-    times move by tens of µs between runs and by 1.7x between hosts. It leaves out what a
+    A count, not a time: nearly the same on every machine and run for the same code and
+    library versions (how replies arrive, and polling for them on an idle core, move it by
+    a few per cent), so changes to the library's own work show in it, where CPU times move
+    by tens of µs between runs and by 1.7x between hosts. It leaves out what a
     bytecode costs (a C call counts one) and the system calls, which the rows above time.
     The raw rounds build their payloads with the library's script encoder (the same
     scripts): those few bytecodes count in its row.
@@ -295,7 +296,7 @@ def _bytecodes(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> lis
     )])  # fmt: skip
     return [
         f"Python bytecodes per job ({jobs} jobs each, {n_masters} master(s); sys.settrace): a",
-        "count, the same on every machine for the same code and library versions",
+        "count, nearly the same on every machine for the same code and library versions",
         *table(["library", *(c.name for c in contenders)], rows),
     ]
 
