@@ -92,6 +92,18 @@ def _made(creators: list[int | None], racer: int) -> int:
     return sum(1 for c in creators if c == racer)
 
 
+def _heard(
+    data: st.DataObject, creators: list[int | None], racers: int, own: bool = False
+) -> list[set[int]]:
+    """What each racer read: any masters (with ``own``, at least those it wrote)."""
+    n = len(creators)
+    return [
+        {i for i in range(n) if own and creators[i] == r}
+        | data.draw(st.sets(st.integers(0, n - 1)))
+        for r in range(racers)
+    ]
+
+
 @given(_races())
 @settings(max_examples=300, deadline=None)
 def test_racers_that_read_every_master_elect_at_most_one_creator(race: Any) -> None:
@@ -132,8 +144,8 @@ def test_a_value_found_on_a_quorum_is_never_taken_for_created(
     # master restarted empty), writes it there again: it must not take the job for new
     # (found by the review of the first version of this rule: the job was published twice).
     creators, racers, order = race
-    n, quorum = len(creators), len(creators) // 2 + 1
-    heard = [data.draw(st.sets(st.integers(0, n - 1))) for _ in range(racers)]
+    quorum = len(creators) // 2 + 1
+    heard = _heard(data, creators, racers)
     winners = _outcomes(creators, racers, order, heard)
     for r in range(racers):
         found = sum(1 for i in heard[r] if creators[i] not in (None, r))
@@ -149,11 +161,8 @@ def test_missing_replies_never_cost_a_creator_the_old_rule_elected(
     # Before this rule only a racer that wrote a quorum stood for creating the value: one
     # that still reads its own writes is elected whatever else it missed.
     creators, racers, order = race
-    n, quorum = len(creators), len(creators) // 2 + 1
-    heard = [
-        {i for i in range(n) if creators[i] == r} | data.draw(st.sets(st.integers(0, n - 1)))
-        for r in range(racers)
-    ]
+    quorum = len(creators) // 2 + 1
+    heard = _heard(data, creators, racers, own=True)
     winners = _outcomes(creators, racers, order, heard)
     for r in range(racers):
         if _made(creators, r) >= quorum:
@@ -167,8 +176,8 @@ def test_no_racer_is_elected_beside_one_that_wrote_a_quorum(race: Any, data: st.
     # out after a restart in its process only) was elected by the order while the master
     # it could not see held another racer's quorum write: the job was published twice.
     creators, racers, order = race
-    n, quorum = len(creators), len(creators) // 2 + 1
-    heard = [data.draw(st.sets(st.integers(0, n - 1))) for _ in range(racers)]
+    quorum = len(creators) // 2 + 1
+    heard = _heard(data, creators, racers)
     winners = _outcomes(creators, racers, order, heard)
     strong = [r for r in range(racers) if _made(creators, r) >= quorum]
     for r in range(racers):
