@@ -17,12 +17,24 @@ def main(argv: list[str]) -> None:
     import django
 
     django.setup()
-    import datetime as dt
 
     from django.core.management import call_command
-    from django_celery_beat.models import ClockedSchedule, IntervalSchedule, PeriodicTask
+    from django.db import transaction
 
     call_command("migrate", verbosity=0)
+    # One transaction, as an admin save with ATOMIC_REQUESTS makes it: django-celery-beat
+    # marks a PeriodicTask changed in pre_save, before the row is written, and a beat that
+    # reloads in between reads the old row and does not reload again (a test once saw the
+    # old interval kept for good).
+    with transaction.atomic():
+        _write(argv)
+
+
+def _write(argv: list[str]) -> None:
+    import datetime as dt
+
+    from django_celery_beat.models import ClockedSchedule, IntervalSchedule, PeriodicTask
+
     for spec in argv:
         name, _, seconds = spec.partition("=")
         if seconds.startswith("once:"):
