@@ -903,8 +903,10 @@ def get_settings(app: SupportsConf) -> RedlockSettings:
             return found  # the usual case: one app, asked on every publish and run
     generation = _generation
     cached = _cache.get(app)
-    fresh = cached is None or cached[0] is not conf
-    settings = settings_from_conf(conf) if fresh else cached[1]  # type: ignore[index]
+    if cached is not None and cached[0] is conf:
+        settings, fresh = cached[1], False
+    else:
+        settings, fresh = settings_from_conf(conf), True
     with _last_lock:
         # Not when a reset came since this call looked: its answer may predate the reset
         # (values read before a change that the reset stands for), and kept it would

@@ -716,8 +716,6 @@ class Redlock:
                             guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
                             if guarded:
                                 self._granted(guarded)
-                            # Created on every master holding it, or on none: no other
-                            # call can have created it first (_created_first agrees).
                             created = _claim_created(
                                 result,
                                 quarantined,
@@ -1523,10 +1521,9 @@ class Redlock:
         count = len(leases)
         every = b"1" * count
 
-        def tally(r: RoundResult, quarantined: set[int]) -> tuple[list[int], list[int]]:
-            """Per lease, the masters that extended it (``ok``) and that said it is not
-            ours there (``gone``). A master that extended every lease (the usual reply)
-            counts once for all, not lease by lease."""
+        def split(r: RoundResult, quarantined: set[int]) -> tuple[int, list[tuple[int, bytes]]]:
+            """The masters (outside ``quarantined``) that extended every lease (the usual
+            reply: counted once for all), and the others' flags, to count lease by lease."""
             extended_all = 0
             mixed: list[tuple[int, bytes]] = []
             for i, replies in enumerate(r.replies):
@@ -1537,6 +1534,13 @@ class Redlock:
                     extended_all += i not in quarantined
                 else:
                     mixed.append((i, flags))
+            return extended_all, mixed
+
+        def tally(
+            extended_all: int, mixed: list[tuple[int, bytes]], quarantined: set[int]
+        ) -> tuple[list[int], list[int]]:
+            """Per lease, the masters that extended it (``ok``) and that said it is not
+            ours there (``gone``)."""
             ok = [extended_all] * count
             gone = [0] * count
             for i, flags in mixed:
@@ -1548,28 +1552,21 @@ class Redlock:
                         gone[j] += 1
             return ok, gone
 
-        def extended_everywhere(r: RoundResult, quarantined: set[int]) -> bool:
-            """Whether a quorum extended every lease (so :func:`tally` need not run)."""
-            extended_all = 0
-            for i, replies in enumerate(r.replies):
-                if i not in quarantined and _flags(replies) == every:
-                    extended_all += 1
-            return extended_all >= q
-
         with self._lane(self._renew_lane) as lane:
             quarantined = self._quarantined(start)
 
             def decided(r: RoundResult) -> bool:
                 # Every lease's outcome is certain: no need to wait for a slow master
                 # (the engine's one thread renews every other lease of the process too).
-                if extended_everywhere(r, quarantined):
+                extended_all, mixed = split(r, quarantined)
+                if extended_all >= q:
                     return True
-                ok, gone = tally(r, quarantined)
+                ok, gone = tally(extended_all, mixed, quarantined)
                 return all(a >= q or g > n - q for a, g in zip(ok, gone, strict=True))
 
             result = self._round(lane, [payload] * n, decided, valid=_renew_replies)
             quarantined |= self._quarantined(self._clock())
-        ok, gone = tally(result, quarantined)
+        ok, gone = tally(*split(result, quarantined), quarantined)
         out: list[str] = []
         errors: str | None = None
         granted = 0.0
