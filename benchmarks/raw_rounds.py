@@ -15,6 +15,7 @@ Hand-written rather than redis-py: a floor must hold nothing a client could leav
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 from collections.abc import Iterable
@@ -52,8 +53,11 @@ def lock_name(task: str, i: int) -> str:
 
 
 def claim_payload(marker: str, task_id: str) -> bytes:
-    """The publish's CLAIM of the dedupe marker ``marker`` for ``task_id``."""
-    return scripts.CLAIM.call(1, marker, task_id, 3_600_000)
+    """The publish's CLAIM of the dedupe marker ``marker`` for ``task_id``, with the
+    call's own random id (stored beside the marker where it writes it)."""
+    return scripts.CLAIM.call(
+        2, marker, marker + scripts.CLAIMED_BY, task_id, 3_600_000, os.urandom(16).hex()
+    )
 
 
 def acquire_payload(lock: str, marker: str, token: str, task_id: str) -> bytes:

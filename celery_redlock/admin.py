@@ -19,6 +19,7 @@ import redis
 from .keys import redis_key, split_redis_key
 from .lock import Redlock
 from .lock.master import Master
+from .lock.scripts import CLAIMED_BY
 from .redact import scrub
 
 __all__ = [
@@ -253,7 +254,7 @@ def list_keys(redlock: Redlock, pattern: str = "*") -> tuple[list[KeyRecord], di
                 entry["value"] = _text(value)
     records: dict[tuple[str, str | None], KeyRecord] = {}
     for (key, suffix), entry in seen.items():
-        if suffix in ("meta", "fence"):
+        if suffix in ("meta", "fence") or _claimed_by(suffix):
             continue
         records[(key, suffix)] = KeyRecord(
             key=key,
@@ -336,6 +337,11 @@ class ClearPlan:
         return sorted({name for dumps in self.dumps for name in dumps})
 
 
+def _claimed_by(suffix: str | None) -> bool:
+    """Whether ``suffix`` is a claim's writer id (listed with nothing of its own)."""
+    return suffix is not None and suffix.endswith(CLAIMED_BY)
+
+
 def _is_anchor(suffix: str | None) -> bool:
     return suffix is not None and suffix.split(":", 1)[0] == ANCHOR_SUFFIX
 
@@ -393,13 +399,16 @@ def plan_clear(redlock: Redlock, key: str, *, pattern: bool = False) -> ClearPla
         found.update(listed)
         kept |= anchors
         # A lock's metadata goes with the lock (renewals rewrite it, so it is not
-        # compared itself); metadata whose lock is gone is compared like any key.
+        # compared itself), and a claim's writer id with the claim (see scripts.CLAIM);
+        # one whose lock or claim is gone is compared like any key.
         for name in found:
             parts = split_redis_key(prefix, name)
             if parts is not None and parts[1] is None:
                 meta = redis_key(prefix, parts[0], "meta")
                 if meta in found:
                     companions[name] = meta
+            elif parts is not None and name + CLAIMED_BY in found:
+                companions[name] = name + CLAIMED_BY
     return ClearPlan(dumps, companions, sorted(kept), errors)
 
 

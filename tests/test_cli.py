@@ -294,3 +294,22 @@ def test_check_fails_when_two_masters_are_one_server(cli: Cli, masters: Masters)
     report = json.loads(cli("check", "--json", urls=urls).stdout)
     # whichever of #1 and #2 answered second is the one refused
     assert sorted(m["duplicate_of"] or 0 for m in report["masters"]) in ([0, 0, 1], [0, 0, 2])
+
+
+def test_a_claims_writer_id_is_no_row_of_its_own_and_goes_with_the_claim(
+    redlock: Redlock, masters: Masters
+) -> None:
+    # A claim stores the id of the call that wrote it beside it (<claim>:claimed-by): ls
+    # shows the claim once, and clear takes both.
+    from celery_redlock import admin
+
+    assert redlock.claim("account:3", "dedupe:t", "job-3", 60, guard_for=0) == ("job-3", True)
+    name = redlock._claim_name("account:3", "dedupe:t")
+    assert held_on(masters, name + ":claimed-by") == 3
+    rows, errors = admin.list_keys(redlock, "account:3")
+    assert not errors
+    assert [(row.kind, row.value, row.present_on) for row in rows] == [("dedupe", "job-3", 3)]
+    deleted, errors = admin.clear(redlock, "account:3")
+    assert not errors
+    assert sorted(deleted) == [name, name + ":claimed-by"]
+    assert held_on(masters, name) == held_on(masters, name + ":claimed-by") == 0

@@ -652,7 +652,20 @@ class Redlock:
         still be claimed again (a few leader lease periods).
         """
         name, ttl, guard_for = self._claim_arguments(key, suffix, ttl, guard_for)
-        payload = (scripts.CLAIM.call(1, name, value, max(1, int(ttl * 1000))), 1)
+        # The call's own id, stored beside the value where it writes it: a call that finds
+        # its value tells another call's write of it (the same job id published twice at
+        # once) from its own, and from a finished claim's (see _claim_created).
+        payload = (
+            scripts.CLAIM.call(
+                2,
+                name,
+                name + scripts.CLAIMED_BY,
+                value,
+                max(1, int(ttl * 1000)),
+                process.token_hex(),
+            ),
+            1,
+        )
         ours = value.encode()
         n, q = len(self.masters), self.quorum
 
@@ -660,7 +673,7 @@ class Redlock:
             first = reply[0]
             if first == 1:
                 return ours
-            return first if isinstance(first, bytes) else None
+            return first[0] if type(first) is list else None
 
         # Every attempt uses the first attempt's lane (its connections): the value is the
         # same in all of them, so an attempt's undo must reach each master before the
@@ -697,7 +710,7 @@ class Redlock:
                                     return (
                                         held != ours
                                         or made >= q
-                                        or c - made >= q
+                                        or _by_one_other(r, quarantined, ours) >= q
                                         or _all_answered(r, quarantined, self.masters)
                                     )
                             return False
@@ -722,7 +735,7 @@ class Redlock:
                                 ours,
                                 q,
                                 fresh,
-                                votes[ours] - fresh,
+                                _by_one_other(result, quarantined, ours),
                                 self.claim_order,
                             )
                             return value, created
@@ -1609,35 +1622,48 @@ def _all_answered(result: RoundResult, excluded: Set[int], masters: Sequence[Mas
     return True
 
 
+def _by_one_other(result: RoundResult, excluded: Set[int], ours: bytes) -> int:
+    """The most masters (outside ``excluded``) on which one other call wrote ``ours``: a
+    claim's replies say which call wrote the value each master holds (``CLAIM``). Values
+    stored with no call's id (written by an older client) count as one call's."""
+    by: dict[object, int] = {}
+    for i, reply in enumerate(result.replies):
+        if reply is not None and i not in excluded:
+            first = reply[0]
+            if type(first) is list and first[0] == ours:
+                writer = first[1]
+                by[writer] = by.get(writer, 0) + 1
+    return max(by.values(), default=0)
+
+
 def _claim_created(
     result: RoundResult,
     excluded: Set[int],
     ours: bytes,
     quorum: int,
     made: int,
-    found: int,
+    other: int,
     order: Callable[[], Sequence[int]],
 ) -> bool:
     """Whether a claim whose value ``ours`` holds a quorum stands for creating it: it
-    wrote it on ``made`` masters and found it already there on ``found`` (counted outside
+    wrote it on ``made`` masters, and one other call wrote it on ``other`` of those it
+    found it on, no other call on more (:func:`_by_one_other`; counted outside
     ``excluded``).
 
     Made on a quorum: yes. Otherwise no when another call may have made it on a quorum:
-    the masters where it was found, with those this call could not see (no reply, down,
-    ``excluded``), reach a quorum (a finished claim's value, or a racing call that wrote a
-    quorum where this one could not look; a copy written again on a master that had lost
-    it is no new creation either). Otherwise the value was split between calls claiming
-    it at once, none with a quorum, and :func:`_created_first` elects one of them
-    (``order()`` is asked only then). Three or more calls can split it so that each finds
-    it on a quorum (one master each of three): none then stands for it, as before this
-    rule; telling them from a finished claim would take a value unique to each call.
+    one call's masters, with those this call could not see (no reply, down, ``excluded``),
+    reach a quorum (a finished claim's value, or a racing call that wrote a quorum where
+    this one could not look; a copy written again on a master that had lost it is no new
+    creation either). Otherwise the value was split between calls claiming it at once,
+    none with a quorum (two calls, two masters each of four; three, one master each of
+    three), and :func:`_created_first` elects one of them (``order()`` is asked only then).
     """
     if made >= quorum:
         return True
-    if made == 0 or found >= quorum:
+    if made == 0 or other >= quorum:
         return False
     unseen = sum(1 for i, reply in enumerate(result.replies) if reply is None or i in excluded)
-    if found + unseen >= quorum:
+    if other + unseen >= quorum:
         return False
     return _created_first(result, order(), excluded, ours, made)
 
@@ -1648,13 +1674,14 @@ def _created_first(
     """Whether a claim whose value holds a quorum stands for creating it.
 
     Several calls claiming the same value at once (publishes of one job id) each create it
-    on the masters they reach first, and each reads it as already there on the others: by
-    its count alone none may have created it on a quorum, and every one would take the job
-    for published by another. The call that created it on the first master holding it (in
-    ``order``, which every client of these servers agrees on) stands for creating it; the
-    others see that master's value as already there, first. When a master before that one
-    gave no reply, the call cannot tell: it stands for creating it if it created the value
-    anywhere (``fresh``), so that a race then costs a second publish, never the job.
+    on the masters they reach first, and each reads it as written by another call on the
+    others: by its count alone none may have created it on a quorum, and every one would
+    take the job for published by another. The call that created it on the first master
+    holding it (in ``order``, which every client of these servers agrees on) stands for
+    creating it; the others see that master's value as written by another call, first.
+    When a master before that one gave no reply, the call cannot tell: it stands for
+    creating it if it created the value anywhere (``fresh``), so that a race then costs a
+    second publish, never the job.
     """
     replies = result.replies
     for i in order:
@@ -1663,10 +1690,11 @@ def _created_first(
         reply = replies[i]
         if reply is None:
             return fresh > 0
-        if reply[0] == 1:
+        first = reply[0]
+        if first == 1:
             return True
-        if reply[0] == ours:
-            return False  # there before this call: another call created it here
+        if type(first) is list and first[0] == ours:
+            return False  # another call created it here
         # another value (a claim that lost the race) is no creation of ours: look further
     return fresh > 0
 
@@ -1781,8 +1809,16 @@ def _fence_replies(replies: list[object]) -> bool:
 
 
 def _claim_replies(replies: list[object]) -> bool:
-    """CLAIM returns 1 or the value that holds the claim."""
-    return all(type(x) is int or isinstance(x, bytes) for x in replies)
+    """CLAIM returns 1, or the value that holds the claim and the id of the call that
+    wrote it (two strings)."""
+    for x in replies:
+        if x == 1 and type(x) is int:
+            continue
+        if not (
+            type(x) is list and len(x) == 2 and isinstance(x[0], bytes) and isinstance(x[1], bytes)
+        ):
+            return False
+    return True
 
 
 def _holder_replies(replies: list[object]) -> bool:

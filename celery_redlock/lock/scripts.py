@@ -19,6 +19,7 @@ __all__ = [
     "ACQUIRE",
     "ALL_SCRIPTS",
     "CLAIM",
+    "CLAIMED_BY",
     "EXTEND",
     "EXTEND_MANY",
     "EXTENSION_FIELD",
@@ -112,21 +113,29 @@ return 0
 """,
 )
 
-#: KEYS[1] claim key.
-#: ARGV[1] value, ARGV[2] ttl in ms.
-#: Returns 1 when the key was free and now holds ARGV[1] for ARGV[2] ms, else the
-#: value it already holds (which may be ARGV[1]: the same claimant came back).
+#: KEYS[1] claim key, KEYS[2] the key naming the call that wrote it (see ``CLAIMED_BY``).
+#: ARGV[1] value, ARGV[2] ttl in ms, ARGV[3] this call's own random id.
+#: Returns 1 when the key was free and now holds ARGV[1] for ARGV[2] ms (and KEYS[2] this
+#: call's id, as long), else {the value it already holds, the id of the call that wrote it
+#: ('' when unknown: written by an older client that stored none)}. The value may be
+#: ARGV[1]: the same value claimed by another call (one job id published twice), which
+#: the id tells apart from this call's own.
 CLAIM = Script(
     "claim",
     """
 local current = redis.call('GET', KEYS[1])
 if current == false then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
     return 1
 end
-return current
+return {current, redis.call('GET', KEYS[2]) or ''}
 """,
 )
+
+#: What a claim key's name ends in, after the claim's own name, for the key holding the
+#: id of the call that wrote it (``CLAIM``'s KEYS[2]); it lives as long as the claim.
+CLAIMED_BY = ":claimed-by"
 
 #: KEYS[1] claim key.
 #: ARGV[1] value.
