@@ -56,7 +56,7 @@ def claim_payload(marker: str, task_id: str) -> bytes:
     """The publish's CLAIM of the dedupe marker ``marker`` for ``task_id``, with the
     call's own random id (stored beside the marker where it writes it)."""
     return scripts.CLAIM.call(
-        2, marker, marker + scripts.CLAIMED_BY, task_id, 3_600_000, os.urandom(16).hex()
+        2, marker, marker + scripts.CLAIMED_BY, task_id, 3_600_000, os.urandom(16).hex(), 10_000
     )
 
 

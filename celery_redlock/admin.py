@@ -339,7 +339,7 @@ class ClearPlan:
 
 def _claimed_by(suffix: str | None) -> bool:
     """Whether ``suffix`` is a claim's writer id (listed with nothing of its own)."""
-    return suffix is not None and suffix.endswith(CLAIMED_BY)
+    return suffix is not None and (":" + suffix).endswith(CLAIMED_BY)
 
 
 def _is_anchor(suffix: str | None) -> bool:

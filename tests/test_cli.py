@@ -26,6 +26,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redlock import Redlock, SingletonTask
 from celery_redlock.client import reset_clients
+from celery_redlock.lock.scripts import CLAIMED_BY
 from celery_redlock.testing import Masters, wait_for
 
 CELERY = Path(sys.executable).with_name("celery")
@@ -299,17 +300,17 @@ def test_check_fails_when_two_masters_are_one_server(cli: Cli, masters: Masters)
 def test_a_claims_writer_id_is_no_row_of_its_own_and_goes_with_the_claim(
     redlock: Redlock, masters: Masters
 ) -> None:
-    # A claim stores the id of the call that wrote it beside it (<claim>:claimed-by): ls
+    # A claim stores the id of the call that wrote it beside it (<claim>:{claimed-by): ls
     # shows the claim once, and clear takes both.
     from celery_redlock import admin
 
     assert redlock.claim("account:3", "dedupe:t", "job-3", 60, guard_for=0) == ("job-3", True)
     name = redlock._claim_name("account:3", "dedupe:t")
-    assert held_on(masters, name + ":claimed-by") == 3
+    assert held_on(masters, name + CLAIMED_BY) == 3
     rows, errors = admin.list_keys(redlock, "account:3")
     assert not errors
     assert [(row.kind, row.value, row.present_on) for row in rows] == [("dedupe", "job-3", 3)]
     deleted, errors = admin.clear(redlock, "account:3")
     assert not errors
-    assert sorted(deleted) == [name, name + ":claimed-by"]
-    assert held_on(masters, name) == held_on(masters, name + ":claimed-by") == 0
+    assert sorted(deleted) == [name, name + CLAIMED_BY]
+    assert held_on(masters, name) == held_on(masters, name + CLAIMED_BY) == 0

@@ -221,6 +221,11 @@ class Redlock:
         master_mod.group(self.masters)
         self.quorum = len(self.masters) // 2 + 1
         self.reconnect_backoff = max(1.0, 4 * self.node_timeout)
+        #: how long a claim's writer id is kept, in ms (see scripts.CLAIMED_BY): longer
+        #: than a claim() call lasts (up to 4 attempts, each a round, an undo, a backoff,
+        #: and connecting takes two node_timeouts), so calls racing on one value read
+        #: each other's ids
+        self._writer_ms = int(max(5.0, 4 * (4 * self.node_timeout + RETRY_CAP)) * 1000)
         self.spin_wait = spin_wait
         #: moving average of how long rounds waited for their replies (see _round)
         self._reply_wait = 0.0
@@ -655,14 +660,11 @@ class Redlock:
         # The call's own id, stored beside the value where it writes it: a call that finds
         # its value tells another call's write of it (the same job id published twice at
         # once) from its own, and from a finished claim's (see _claim_created).
+        ttl_ms = max(1, int(ttl * 1000))
+        writer = name + scripts.CLAIMED_BY
         payload = (
             scripts.CLAIM.call(
-                2,
-                name,
-                name + scripts.CLAIMED_BY,
-                value,
-                max(1, int(ttl * 1000)),
-                process.token_hex(),
+                2, name, writer, value, ttl_ms, process.token_hex(), min(ttl_ms, self._writer_ms)
             ),
             1,
         )
@@ -682,7 +684,7 @@ class Redlock:
         first: Lane | None = None
 
         def unclaim() -> bytes:
-            return scripts.UNCLAIM.call(1, name, value)
+            return scripts.UNCLAIM.call(2, name, writer, value)
 
         created = False
         try:
@@ -906,7 +908,7 @@ class Redlock:
         still stand, and the caller must not take it for gone.
         """
         name = self._claim_name(key, suffix)
-        payload = (scripts.UNCLAIM.call(1, name, value), 1)
+        payload = (scripts.UNCLAIM.call(2, name, name + scripts.CLAIMED_BY, value), 1)
         with self._lane() as lane:
             result = self._round(lane, [payload] * len(self.masters))
         answered = sum(1 for x in result.replies if x is not None)
@@ -1624,15 +1626,22 @@ def _all_answered(result: RoundResult, excluded: Set[int], masters: Sequence[Mas
 
 def _by_one_other(result: RoundResult, excluded: Set[int], ours: bytes) -> int:
     """The most masters (outside ``excluded``) on which one other call wrote ``ours``: a
-    claim's replies say which call wrote the value each master holds (``CLAIM``). Values
-    stored with no call's id (written by an older client) count as one call's."""
+    claim's replies say which call wrote the value each master holds (``CLAIM``). Where
+    any copy carries no writer's id (an older client wrote it, or its id expired: written
+    longer ago than a claim call lasts, by a finished claim), every copy found counts as
+    one call's, as before ids were stored: only calls claiming at this moment are told
+    apart."""
     by: dict[object, int] = {}
+    found = 0
     for i, reply in enumerate(result.replies):
         if reply is not None and i not in excluded:
             first = reply[0]
             if type(first) is list and first[0] == ours:
                 writer = first[1]
                 by[writer] = by.get(writer, 0) + 1
+                found += 1
+    if b"" in by:
+        return found
     return max(by.values(), default=0)
 
 

@@ -114,37 +114,47 @@ return 0
 )
 
 #: KEYS[1] claim key, KEYS[2] the key naming the call that wrote it (see ``CLAIMED_BY``).
-#: ARGV[1] value, ARGV[2] ttl in ms, ARGV[3] this call's own random id.
+#: ARGV[1] value, ARGV[2] ttl in ms, ARGV[3] this call's own random id, ARGV[4] how long
+#: the id is kept, in ms (as long as a claim call can last; at most ARGV[2]).
 #: Returns 1 when the key was free and now holds ARGV[1] for ARGV[2] ms (and KEYS[2] this
-#: call's id, as long), else {the value it already holds, the id of the call that wrote it
-#: ('' when unknown: written by an older client that stored none)}. The value may be
-#: ARGV[1]: the same value claimed by another call (one job id published twice), which
-#: the id tells apart from this call's own.
+#: call's id for ARGV[4] ms), or holds ARGV[1] written by this call already (an earlier
+#: attempt of it); else {the value it already holds, the id of the call that wrote it
+#: ('' when unknown: written by an older client, or long enough ago that its id
+#: expired)}. The value may be ARGV[1]: the same value claimed by another call (one job
+#: id published twice), which the id tells apart from this call's own.
 CLAIM = Script(
     "claim",
     """
 local current = redis.call('GET', KEYS[1])
 if current == false then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
     return 1
 end
-return {current, redis.call('GET', KEYS[2]) or ''}
+local writer = redis.call('GET', KEYS[2]) or ''
+if writer == ARGV[3] and current == ARGV[1] then
+    return 1
+end
+return {current, writer}
 """,
 )
 
 #: What a claim key's name ends in, after the claim's own name, for the key holding the
-#: id of the call that wrote it (``CLAIM``'s KEYS[2]); it lives as long as the claim.
-CLAIMED_BY = ":claimed-by"
+#: id of the call that wrote it (``CLAIM``'s KEYS[2]). The brace keeps it apart from every
+#: claim's own name (claim suffixes have none), and after the lock's hash tag it does not
+#: change the key's Redis Cluster slot. It lives only as long as a claim
+#: call can last: the id tells calls racing to claim one value apart; a value found
+#: later, its id gone, is one call's (a finished claim), as it should be.
+CLAIMED_BY = ":{claimed-by"
 
-#: KEYS[1] claim key.
+#: KEYS[1] claim key, KEYS[2] the id of the call that wrote it (``CLAIM``'s KEYS[2]).
 #: ARGV[1] value.
-#: Returns 1 when the key held exactly ARGV[1] and is now deleted, else 0.
+#: Returns 1 when the key held exactly ARGV[1] and is now deleted (with KEYS[2]), else 0.
 UNCLAIM = Script(
     "unclaim",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-    redis.call('DEL', KEYS[1])
+    redis.call('DEL', KEYS[1], KEYS[2])
     return 1
 end
 return 0

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from celery_redlock.lock.fanout import RoundResult
 from celery_redlock.lock.redlock import _all_answered, _by_one_other, _claim_created
+from celery_redlock.lock.scripts import CLAIMED_BY
 from celery_redlock.testing import Masters
 
 from . import helpers
@@ -44,27 +45,32 @@ def _view(
     creators: list[int | None], racer: int, heard: set[int], errors: set[int] = frozenset()
 ) -> RoundResult:
     """What ``racer``'s claim round read: per master, its own creation (1), the value there
-    before it with the id of the call that wrote it (``OURS`` by another racer, or
-    ``OTHER`` where creators[i] is None), or nothing."""
+    before it with the id of the call that wrote it (``OURS`` by another racer, ``OURS``
+    with no id where creators[i] is -1: a finished claim's, its id expired, or an older
+    client's; ``OTHER`` where creators[i] is None), or nothing."""
     replies: list[list[object] | None] = []
     for i, creator in enumerate(creators):
         if i not in heard:
             replies.append(None)
         elif creator is None:
             replies.append([[OTHER, b"call-other"]])
+        elif creator == -1:
+            replies.append([[OURS, b""]])
         else:
             replies.append([1] if creator == racer else [[OURS, b"call-%d" % creator]])
     return RoundResult(replies, errors=dict.fromkeys(errors, "failed"))
 
 
 @st.composite
-def _races(draw: st.DrawFn) -> tuple[list[int | None], int, list[int]]:
+def _races(draw: st.DrawFn, unlabelled: bool = False) -> tuple[list[int | None], int, list[int]]:
     """Masters each holding the value of the racer that reached it first (or, None, another
-    value), the number of racers and the order the clients agree on."""
+    value; with ``unlabelled``, or -1, the value with no writer's id), the number of racers
+    and the order the clients agree on."""
     n = draw(st.integers(1, 5))
     racers = draw(st.integers(1, 4))
+    low = -1 if unlabelled else 0
     creators = draw(
-        st.lists(st.one_of(st.none(), st.integers(0, racers - 1)), min_size=n, max_size=n)
+        st.lists(st.one_of(st.none(), st.integers(low, racers - 1)), min_size=n, max_size=n)
     )
     if all(c is None for c in creators):
         creators[draw(st.integers(0, n - 1))] = 0
@@ -106,7 +112,7 @@ def _heard(
     ]
 
 
-@given(_races())
+@given(st.one_of(_races(), _races(unlabelled=True)))
 @settings(max_examples=300, deadline=None)
 def test_racers_that_read_every_master_elect_at_most_one_creator(race: Any) -> None:
     creators, racers, order = race
@@ -154,6 +160,27 @@ def test_a_value_found_on_a_quorum_is_never_taken_for_created(
         for other in set(creators) - {None, r}:
             if sum(1 for i in heard[r] if creators[i] == other) >= quorum:
                 assert not winners[r], (creators, heard[r], r)
+
+
+@given(_races(unlabelled=True), st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_value_found_on_a_quorum_beside_a_copy_with_no_writer_id_is_not_created(
+    race: Any, data: st.DataObject
+) -> None:
+    # Found by the review of the writer ids: a finished claim's copies, written again on
+    # masters that had lost them by calls that then declined, carry several ids, none on
+    # a quorum; a later claim writing one more lost copy read that as a split and was
+    # elected (the job published twice). A copy with no id (the finished claim's, its id
+    # expired; or an older client's) means "there before": the copies count as one call's.
+    creators, racers, order = race
+    quorum = len(creators) // 2 + 1
+    everything = set(range(len(creators)))
+    heard = [everything] * racers if data.draw(st.booleans()) else _heard(data, creators, racers)
+    winners = _outcomes(creators, racers, order, heard)
+    for r in range(racers):
+        found = [creators[i] for i in heard[r] if creators[i] not in (None, r)]
+        if -1 in found and len(found) >= quorum:
+            assert not winners[r], (creators, heard[r], r)
 
 
 @given(_races(), st.data())
@@ -234,10 +261,10 @@ def test_three_racers_one_master_each_give_the_creation_to_exactly_one(masters: 
     for mine in range(3):
         for i, server in enumerate(masters):
             with server.client() as conn:
-                conn.delete(name, name + ":claimed-by")
+                conn.delete(name, name + CLAIMED_BY)
                 if i != mine:
                     conn.set(name, OURS, px=60_000)
-                    conn.set(name + ":claimed-by", f"racer-{i}", px=60_000)
+                    conn.set(name + CLAIMED_BY, f"racer-{i}", px=60_000)
         holder, fresh = rl.claim("k", "dedupe:t", OURS.decode(), 60, guard_for=0)
         assert holder == OURS.decode()
         outcomes.append(fresh)
@@ -253,6 +280,87 @@ def test_a_value_an_older_client_wrote_on_a_quorum_is_not_fresh(masters: Masters
         with masters[i].client() as conn:
             conn.set(name, "job-x", px=60_000)
     assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_writer_id_lives_as_long_as_a_claim_call_and_goes_with_an_unclaim(
+    masters: Masters,
+) -> None:
+    # The id only tells racing calls apart: it is not kept for the claim's whole TTL (a
+    # dedupe marker's can be hours, a key per job), and an unclaim takes it with the value.
+    rl = make_redlock(masters, node_timeout=0.25)
+    assert rl.claim("k", "dedupe:t", "job-x", 3600, guard_for=0) == ("job-x", True)
+    name = rl._claim_name("k", "dedupe:t")
+    for server in masters:
+        with server.client() as conn:
+            assert 3_000_000 < conn.pttl(name) <= 3_600_000
+            assert 0 < conn.pttl(name + CLAIMED_BY) <= 5_000
+    assert rl.claim("k2", "dedupe:t", "job-y", 2, guard_for=0) == ("job-y", True)
+    with masters[0].client() as conn:  # never longer than the claim itself
+        assert 0 < conn.pttl(rl._claim_name("k2", "dedupe:t") + CLAIMED_BY) <= 2_000
+    assert rl.unclaim("k", "dedupe:t", "job-x")
+    for server in masters:
+        with server.client() as conn:
+            assert not conn.exists(name, name + CLAIMED_BY)
+
+
+@pytest.mark.parametrize("masters", [3, 5], indirect=True)
+def test_a_finished_claim_written_again_by_several_calls_stays_not_fresh(
+    masters: Masters,
+) -> None:
+    # The review's reproduction (r1): a published job's marker is lost on one master at a
+    # time, each time written again there by a claim of the same id that rightly declines,
+    # each with an id of its own: no id holds a quorum, and the next claim took that for
+    # a split (the job published twice). Once the publish's own ids have expired (a claim
+    # call's time), its copies carry none, and every copy counts as one call's again.
+    rl = make_redlock(masters)
+    assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
+    name = rl._claim_name("k", "dedupe:t")
+    for server in masters:
+        with server.client() as conn:
+            conn.delete(name + CLAIMED_BY)  # expired: the publish is older than a claim call
+    outcomes = []
+    for i in reversed(rl.claim_order()[: len(masters) // 2 + 1]):
+        with masters[i].client() as conn:
+            conn.delete(name)  # lost there (restarted empty, or a contended acquire)
+        outcomes.append(make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0))
+    assert outcomes == [("job-x", False)] * len(outcomes)
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_write_left_by_an_earlier_attempt_of_the_call_is_its_own(masters: Masters) -> None:
+    # The review's reproduction (r4): an attempt's write whose undo never ran (its reply
+    # lost with the connection) was read by the next attempt of the same call as another
+    # call's, and elected by the order: with the other racer declining, nobody published.
+    from celery_redlock.lock import process
+
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)  # run_ids known: the order
+    first, second, _third = rl.claim_order()
+    name = rl._claim_name("k", "dedupe:t")
+    mine = "a" * 32
+    for i, writer in ((first, mine), (second, "racer-b")):
+        with masters[i].client() as conn:
+            conn.set(name, "job-x", px=60_000)
+            conn.set(name + CLAIMED_BY, writer, px=60_000)
+    real = process.token_hex
+    process.token_hex = lambda: mine
+    try:
+        assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
+    finally:
+        process.token_hex = real
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_writer_id_never_overwrites_another_claims_value(masters: Masters) -> None:
+    # The review's reproduction (r2): the id key of suffix "s" was the claim key of suffix
+    # "s:claimed-by" (tasks "t" and "t:claimed-by" sharing a lock key): a claim overwrote
+    # the other's value with its id, and that publish was dropped as a duplicate.
+    rl = make_redlock(masters)
+    for suffix in ("dedupe:t", "dedupe:t:claimed-by"):
+        assert rl.claim("k", suffix, f"job-{suffix}", 60, guard_for=0) == (f"job-{suffix}", True)
+    for suffix in ("dedupe:t", "dedupe:t:claimed-by"):
+        assert rl.claim("k", suffix, "another", 60, guard_for=0) == (f"job-{suffix}", False)
 
 
 @pytest.mark.parametrize("masters", [3, 5], indirect=True)
