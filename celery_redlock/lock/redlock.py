@@ -661,11 +661,10 @@ class Redlock:
         # its value tells another call's write of it (the same job id published twice at
         # once) from its own, and from a finished claim's (see _claim_created).
         ttl_ms = max(1, int(ttl * 1000))
-        writer = name + scripts.CLAIMED_BY
+        writer, call = name + scripts.CLAIMED_BY, process.token_hex()
+        own = call.encode()
         payload = (
-            scripts.CLAIM.call(
-                2, name, writer, value, ttl_ms, process.token_hex(), min(ttl_ms, self._writer_ms)
-            ),
+            scripts.CLAIM.call(2, name, writer, value, ttl_ms, call, min(ttl_ms, self._writer_ms)),
             1,
         )
         ours = value.encode()
@@ -712,7 +711,7 @@ class Redlock:
                                     return (
                                         held != ours
                                         or made >= q
-                                        or _by_one_other(r, quarantined, ours) >= q
+                                        or _by_one_other(r, quarantined, ours, own) >= q
                                         or _all_answered(r, quarantined, self.masters)
                                     )
                             return False
@@ -737,9 +736,11 @@ class Redlock:
                                 ours,
                                 q,
                                 fresh,
-                                _by_one_other(result, quarantined, ours),
+                                _by_one_other(result, quarantined, ours, own),
                                 self.claim_order,
                             )
+                            if not created and fresh:
+                                self._cede(lane, result, quarantined, ours, writer, call)
                             return value, created
                         mine = {
                             i
@@ -789,6 +790,34 @@ class Redlock:
                     lane.lock.release()
             raise
         raise LockContended(f"racing claims on {name!r} did not settle", key, self.master_names)
+
+    def _cede(
+        self,
+        lane: Lane,
+        result: RoundResult,
+        excluded: Set[int],
+        ours: bytes,
+        writer: str,
+        call: str,
+    ) -> None:
+        """After a claim that wrote its value somewhere declined: put the id of the call
+        it declined for on its copies (``RELABEL``), so that they count as that call's.
+
+        Left with its own id, a copy reads to a later claim as one more call's write: the
+        value of one finished publish then carries several ids, none on a quorum, and a
+        claim that writes it again where a copy was lost (a master restarted empty) would
+        read a split and publish the job again. Only when every master answered (with some
+        unseen, the call it declined for is not known); not waited for, as an undo.
+        """
+        target = _ceded_to(result, excluded, ours, self.quorum, self.claim_order)
+        if target is None:
+            return
+        relabel = (scripts.RELABEL.call(1, writer, call, target), 1)
+        self._round(
+            lane,
+            [relabel if x and x[0] == 1 else None for x in result.replies],
+            wait=False,
+        )
 
     def claim_order(self) -> list[int]:
         """The indexes of :attr:`masters` in an order every client of these servers agrees
@@ -1624,25 +1653,63 @@ def _all_answered(result: RoundResult, excluded: Set[int], masters: Sequence[Mas
     return True
 
 
-def _by_one_other(result: RoundResult, excluded: Set[int], ours: bytes) -> int:
+def _by_one_other(result: RoundResult, excluded: Set[int], ours: bytes, own: bytes = b"") -> int:
     """The most masters (outside ``excluded``) on which one other call wrote ``ours``: a
     claim's replies say which call wrote the value each master holds (``CLAIM``). Where
     any copy carries no writer's id (an older client wrote it, or its id expired: written
     longer ago than a claim call lasts, by a finished claim), every copy found counts as
     one call's, as before ids were stored: only calls claiming at this moment are told
-    apart."""
+    apart. A copy under this call's own id (``own``) that the script did not take for its
+    own (ceded to it with TTLs unlike its own, or its id beside a value written later) is
+    neither: it is left out."""
     by: dict[object, int] = {}
     found = 0
     for i, reply in enumerate(result.replies):
         if reply is not None and i not in excluded:
             first = reply[0]
-            if type(first) is list and first[0] == ours:
+            if type(first) is list and first[0] == ours and (first[1] != own or not own):
                 writer = first[1]
                 by[writer] = by.get(writer, 0) + 1
                 found += 1
     if b"" in by:
         return found
     return max(by.values(), default=0)
+
+
+def _ceded_to(
+    result: RoundResult,
+    excluded: Set[int],
+    ours: bytes,
+    quorum: int,
+    order: Callable[[], Sequence[int]],
+) -> str | None:
+    """The id of the call a declining claim of ``ours`` declined for: the call with a
+    quorum of copies, else (a split) the one that wrote the first master in ``order()``;
+    '' when a copy has no id (all copies count as one call's then, see
+    :func:`_by_one_other`). None when a master outside ``excluded`` gave no reply."""
+    by: dict[bytes, int] = {}
+    for i, reply in enumerate(result.replies):
+        if i in excluded:
+            continue
+        if reply is None:
+            return None
+        first = reply[0]
+        if type(first) is list and first[0] == ours:
+            by[first[1]] = by.get(first[1], 0) + 1
+    if b"" in by:
+        return ""
+    for writer, count in by.items():
+        if count >= quorum:
+            return writer.decode()
+    for i in order():
+        if i in excluded:
+            continue
+        first = result.replies[i][0]  # type: ignore[index]
+        if first == 1:
+            return None  # the first is ours: not declined by the order
+        if type(first) is list and first[0] == ours:
+            return first[1].decode()  # type: ignore[no-any-return]
+    return None
 
 
 def _claim_created(

@@ -24,6 +24,7 @@ __all__ = [
     "EXTEND_MANY",
     "EXTENSION_FIELD",
     "FENCE",
+    "RELABEL",
     "RELEASE",
     "RELEASE_OWNER",
     "UNCLAIM",
@@ -117,11 +118,13 @@ return 0
 #: ARGV[1] value, ARGV[2] ttl in ms, ARGV[3] this call's own random id, ARGV[4] how long
 #: the id is kept, in ms (as long as a claim call can last; at most ARGV[2]).
 #: Returns 1 when the key was free and now holds ARGV[1] for ARGV[2] ms (and KEYS[2] this
-#: call's id for ARGV[4] ms), or holds ARGV[1] written by this call already (an earlier
-#: attempt of it); else {the value it already holds, the id of the call that wrote it
-#: ('' when unknown: written by an older client, or long enough ago that its id
-#: expired)}. The value may be ARGV[1]: the same value claimed by another call (one job
-#: id published twice), which the id tells apart from this call's own.
+#: call's id for ARGV[4] ms), or holds ARGV[1] under this call's id already, the two TTLs
+#: as this call sets them (written by an earlier attempt of it, or ceded to it by a call
+#: that declined, see ``RELABEL``);
+#: else {the value it already holds, the id of the call that wrote it ('' when unknown:
+#: written by an older client, or long enough ago that its id expired)}. The value may be
+#: ARGV[1]: the same value claimed by another call (one job id published twice), which the
+#: id tells apart from this call's own.
 CLAIM = Script(
     "claim",
     """
@@ -132,10 +135,36 @@ if current == false then
     return 1
 end
 local writer = redis.call('GET', KEYS[2]) or ''
-if writer == ARGV[3] and current == ARGV[1] then
+if writer == ARGV[3] and current == ARGV[1]
+    and redis.call('PTTL', KEYS[1]) - redis.call('PTTL', KEYS[2]) <= ARGV[2] - ARGV[4] + 1 then
+    -- the value and the id as this call sets them together: an older client writing the
+    -- value again later, where this call's id outlived its copy, leaves the value's TTL
+    -- further ahead of the id's (+ 1: before Redis 7 the clock may tick between the two)
     return 1
 end
 return {current, writer}
+""",
+)
+
+#: KEYS[1] a claim's writer id key (``CLAIM``'s KEYS[2]).
+#: ARGV[1] the id it should hold, ARGV[2] the id to put there instead ('' = delete it).
+#: Returns 1 when it held ARGV[1] and now holds ARGV[2] (its TTL kept), else 0. A call
+#: that declines a claim it wrote somewhere cedes its copies to the call it declined for.
+RELABEL = Script(
+    "relabel",
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+if ARGV[2] == '' then
+    redis.call('DEL', KEYS[1])
+else
+    local left = redis.call('PTTL', KEYS[1])
+    if left > 0 then
+        redis.call('SET', KEYS[1], ARGV[2], 'PX', left)
+    end
+end
+return 1
 """,
 )
 
@@ -239,4 +268,5 @@ ALL_SCRIPTS: tuple[Script, ...] = (
     FENCE,
     CLAIM,
     UNCLAIM,
+    RELABEL,
 )

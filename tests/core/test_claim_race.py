@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from celery_redlock.lock.fanout import RoundResult
 from celery_redlock.lock.redlock import _all_answered, _by_one_other, _claim_created
 from celery_redlock.lock.scripts import CLAIMED_BY
-from celery_redlock.testing import Masters
+from celery_redlock.testing import Masters, wait_for
 
 from . import helpers
 from .helpers import make_redlock
@@ -305,25 +305,33 @@ def test_a_writer_id_lives_as_long_as_a_claim_call_and_goes_with_an_unclaim(
 
 
 @pytest.mark.parametrize("masters", [3, 5], indirect=True)
+@pytest.mark.parametrize("expired", [True, False])
 def test_a_finished_claim_written_again_by_several_calls_stays_not_fresh(
-    masters: Masters,
+    masters: Masters, expired: bool
 ) -> None:
     # The review's reproduction (r1): a published job's marker is lost on one master at a
     # time, each time written again there by a claim of the same id that rightly declines,
     # each with an id of its own: no id holds a quorum, and the next claim took that for
     # a split (the job published twice). Once the publish's own ids have expired (a claim
-    # call's time), its copies carry none, and every copy counts as one call's again.
+    # call's time), its copies carry none, and every copy counts as one call's again;
+    # before that, each declining call cedes its copy to the publish's id (RELABEL).
     rl = make_redlock(masters)
     assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
     name = rl._claim_name("k", "dedupe:t")
-    for server in masters:
-        with server.client() as conn:
-            conn.delete(name + CLAIMED_BY)  # expired: the publish is older than a claim call
+    with masters[0].client() as conn:
+        publish = conn.get(name + CLAIMED_BY)
+    if expired:  # the publish is older than a claim call
+        publish = None
+        for server in masters:
+            with server.client() as conn:
+                conn.delete(name + CLAIMED_BY)
     outcomes = []
     for i in reversed(rl.claim_order()[: len(masters) // 2 + 1]):
         with masters[i].client() as conn:
             conn.delete(name)  # lost there (restarted empty, or a contended acquire)
         outcomes.append(make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0))
+        with masters[i].client() as conn:  # its copy ceded (a round not waited for)
+            wait_for(lambda conn=conn: conn.get(name + CLAIMED_BY) == publish, timeout=3)
     assert outcomes == [("job-x", False)] * len(outcomes)
 
 
@@ -347,6 +355,64 @@ def test_a_write_left_by_an_earlier_attempt_of_the_call_is_its_own(masters: Mast
     process.token_hex = lambda: mine
     try:
         assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
+    finally:
+        process.token_hex = real
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_race_then_one_lost_copy_does_not_publish_the_job_again(masters: Masters) -> None:
+    # The second review's reproduction (x2): A wrote the id on 2 of 3 masters (published);
+    # B, racing, wrote the third and declined. One of A's copies is lost (a restart) and an
+    # identical publish C writes it again: it found A's id on one master and B's on one,
+    # read that as a split and, first in the order, published the job a second time. A call
+    # that declines now cedes its copies to the call it declined for: they count as A's.
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)  # run_ids known: the order
+    first, second, third = rl.claim_order()
+    name = rl._claim_name("k", "dedupe:t")
+    for i in (first, second):  # A's quorum write
+        with masters[i].client() as conn:
+            conn.set(name, "job-x", px=60_000)
+            conn.set(name + CLAIMED_BY, "a" * 32, px=5_000)
+    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
+        "job-x",
+        False,
+    )  # B: wrote the third master, found A's quorum
+    with masters[third].client() as conn:  # B ceded its copy to A (not waited for)
+        wait_for(lambda: conn.get(name + CLAIMED_BY) == b"a" * 32, timeout=3)
+    with masters[first].client() as conn:
+        conn.delete(name, name + CLAIMED_BY)  # lost (restarted empty)
+    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
+        "job-x",
+        False,
+    )  # C
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_stale_own_id_beside_a_value_written_again_later_is_not_the_calls(
+    masters: Masters,
+) -> None:
+    # The second review's reproduction (x3), a rolling upgrade: an older client's undo
+    # deletes a copy of A's first attempt but not A's id; the older client then writes the
+    # value there itself (and on another master: a quorum, it publishes). A's next attempt
+    # took that copy for its own (two publishes). The copy's TTL, far ahead of the id's,
+    # tells it was written later.
+    from celery_redlock.lock import process
+
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)
+    first, second, _third = rl.claim_order()
+    name = rl._claim_name("k", "dedupe:t")
+    mine = "a" * 32
+    with masters[first].client() as conn:
+        conn.set(name + CLAIMED_BY, mine, px=4_000)  # A's id, a second old
+        conn.set(name, "job-x", px=60_000)  # the older client's copy
+    with masters[second].client() as conn:
+        conn.set(name, "job-x", px=60_000)
+    real = process.token_hex
+    process.token_hex = lambda: mine
+    try:
+        assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
     finally:
         process.token_hex = real
 
