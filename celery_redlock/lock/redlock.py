@@ -730,7 +730,8 @@ class Redlock:
                             guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
                             if guarded:
                                 self._granted(guarded)
-                            created = _claim_created(
+                            # (made on a quorum, the usual publish: no count of the others)
+                            created = fresh >= q or _claim_created(
                                 result,
                                 quarantined,
                                 ours,
