@@ -740,7 +740,7 @@ class Redlock:
                                 _by_one_other(result, quarantined, ours, own),
                                 self.claim_order,
                             )
-                            if not created and fresh:
+                            if not created and (fresh or result.not_waited):
                                 self._cede(lane, result, quarantined, ours, writer, call)
                             return value, created
                         mine = {
@@ -807,16 +807,23 @@ class Redlock:
         Left with its own id, a copy reads to a later claim as one more call's write: the
         value of one finished publish then carries several ids, none on a quorum, and a
         claim that writes it again where a copy was lost (a master restarted empty) would
-        read a split and publish the job again. Only when every master answered (with some
-        unseen, the call it declined for is not known); not waited for, as an undo.
+        read a split and publish the job again. Not when the call it declined for is not
+        known (a split with a master unheard); not waited for, as an undo.
         """
         target = _ceded_to(result, excluded, ours, self.quorum, self.claim_order)
         if target is None:
             return
         relabel = (scripts.RELABEL.call(1, writer, call, target), 1)
+        late = result.not_waited
+        # Where it wrote, and where its reply was not waited for (the round was decided
+        # without it): sent behind the claim on the same connection, the script runs after
+        # it and changes the id only if this call's stands there.
         self._round(
             lane,
-            [relabel if x and x[0] == 1 else None for x in result.replies],
+            [
+                relabel if (x and x[0] == 1) or (x is None and i in late) else None
+                for i, x in enumerate(result.replies)
+            ],
             wait=False,
         )
 
@@ -1684,16 +1691,16 @@ def _ceded_to(
     quorum: int,
     order: Callable[[], Sequence[int]],
 ) -> str | None:
-    """The id of the call a declining claim of ``ours`` declined for: the call with a
-    quorum of copies, else (a split) the one that wrote the first master in ``order()``;
-    '' when a copy has no id (all copies count as one call's then, see
-    :func:`_by_one_other`). None when a master outside ``excluded`` gave no reply."""
+    """The id of the call a declining claim of ``ours`` declined for: '' when a copy has
+    no id (all copies count as one call's then, see :func:`_by_one_other`), the call with
+    a quorum of copies, else (a split) the one that wrote the first master in ``order()``.
+    None when that is not known: a split with a master unheard (or in ``excluded``)."""
     by: dict[bytes, int] = {}
+    unheard = False
     for i, reply in enumerate(result.replies):
-        if i in excluded:
+        if reply is None or i in excluded:
+            unheard = True
             continue
-        if reply is None:
-            return None
         first = reply[0]
         if type(first) is list and first[0] == ours:
             by[first[1]] = by.get(first[1], 0) + 1
@@ -1702,6 +1709,8 @@ def _ceded_to(
     for writer, count in by.items():
         if count >= quorum:
             return writer.decode()
+    if unheard:
+        return None
     for i in order():
         if i in excluded:
             continue

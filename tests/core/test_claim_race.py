@@ -389,6 +389,37 @@ def test_a_race_then_one_lost_copy_does_not_publish_the_job_again(masters: Maste
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
+def test_a_decliner_whose_own_reply_comes_last_still_cedes_its_copy(masters: Masters) -> None:
+    # The third review's reproduction (f1): B's write landed on a slow master; A's quorum
+    # decided B's round before B's own reply came, so B, counting no write of its own,
+    # ceded nothing, and after one lost copy a later publish read a split. The cede is now
+    # sent behind the reply not waited for, on the same connection.
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)
+    first, second, third = rl.claim_order()
+    name = rl._claim_name("k", "dedupe:t")
+    for i in (first, second):  # A's quorum write
+        with masters[i].client() as conn:
+            conn.set(name, "job-x", px=60_000)
+            conn.set(name + CLAIMED_BY, "a" * 32, px=5_000)
+    b = make_redlock(masters, node_timeout=1.0)
+    b.claim("warm-up-b", "dedupe:t", "w", 60, guard_for=0)  # connected before the pause
+    masters[third].pause()
+    try:
+        assert b.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
+    finally:
+        masters[third].resume()
+    with masters[third].client() as conn:  # B's write there, ceded to A behind it
+        wait_for(lambda: conn.get(name + CLAIMED_BY) == b"a" * 32, timeout=3)
+    with masters[first].client() as conn:
+        conn.delete(name, name + CLAIMED_BY)  # lost (restarted empty)
+    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
+        "job-x",
+        False,
+    )
+
+
+@pytest.mark.parametrize("masters", [3], indirect=True)
 def test_a_stale_own_id_beside_a_value_written_again_later_is_not_the_calls(
     masters: Masters,
 ) -> None:
