@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from celery_redlock.lock import process
 from celery_redlock.lock.fanout import RoundResult
 from celery_redlock.lock.redlock import _all_answered, _by_one_other, _claim_created
 from celery_redlock.lock.scripts import CLAIMED_BY
@@ -335,28 +336,54 @@ def test_a_finished_claim_written_again_by_several_calls_stays_not_fresh(
     assert outcomes == [("job-x", False)] * len(outcomes)
 
 
+A_ID = "a" * 32
+
+
+def _ordered(masters: Masters) -> tuple[Any, list[int], str]:
+    """A client connected to ``masters`` (their run_ids known), the order every client
+    agrees on, and the name of the claim ``k`` / ``dedupe:t``."""
+    rl = make_redlock(masters)
+    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)
+    return rl, rl.claim_order(), rl._claim_name("k", "dedupe:t")
+
+
+def _copy(masters: Masters, i: int, name: str, writer: str | None, id_ms: int = 5_000) -> None:
+    """Master ``i`` holds job-x for a minute, written by ``writer`` (None: no id stored)."""
+    with masters[i].client() as conn:
+        if writer is not None:
+            conn.set(name + CLAIMED_BY, writer, px=id_ms)
+        conn.set(name, "job-x", px=60_000)
+
+
+def _claim_x(rl: Any) -> tuple[str, bool]:
+    return rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0)  # type: ignore[no-any-return]
+
+
+def _lose_and_claim_again(masters: Masters, i: int, name: str) -> tuple[str, bool]:
+    """Master ``i`` loses its copy (restarted empty); an identical publish claims."""
+    with masters[i].client() as conn:
+        conn.delete(name, name + CLAIMED_BY)
+    return _claim_x(make_redlock(masters))
+
+
+def _ceded_to_a(masters: Masters, i: int, name: str) -> None:
+    """Wait for master ``i``'s copy to carry A's id (a cede is not waited for)."""
+    with masters[i].client() as conn:
+        wait_for(lambda: conn.get(name + CLAIMED_BY) == A_ID.encode(), timeout=3)
+
+
 @pytest.mark.parametrize("masters", [3], indirect=True)
-def test_a_write_left_by_an_earlier_attempt_of_the_call_is_its_own(masters: Masters) -> None:
+def test_a_write_left_by_an_earlier_attempt_of_the_call_is_its_own(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The review's reproduction (r4): an attempt's write whose undo never ran (its reply
     # lost with the connection) was read by the next attempt of the same call as another
     # call's, and elected by the order: with the other racer declining, nobody published.
-    from celery_redlock.lock import process
-
-    rl = make_redlock(masters)
-    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)  # run_ids known: the order
-    first, second, _third = rl.claim_order()
-    name = rl._claim_name("k", "dedupe:t")
-    mine = "a" * 32
-    for i, writer in ((first, mine), (second, "racer-b")):
-        with masters[i].client() as conn:
-            conn.set(name, "job-x", px=60_000)
-            conn.set(name + CLAIMED_BY, writer, px=60_000)
-    real = process.token_hex
-    process.token_hex = lambda: mine
-    try:
-        assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", True)
-    finally:
-        process.token_hex = real
+    rl, (first, second, _), name = _ordered(masters)
+    _copy(masters, first, name, A_ID, id_ms=60_000)
+    _copy(masters, second, name, "racer-b", id_ms=60_000)
+    monkeypatch.setattr(process, "token_hex", lambda: A_ID)
+    assert _claim_x(rl) == ("job-x", True)
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
@@ -366,26 +393,12 @@ def test_a_race_then_one_lost_copy_does_not_publish_the_job_again(masters: Maste
     # identical publish C writes it again: it found A's id on one master and B's on one,
     # read that as a split and, first in the order, published the job a second time. A call
     # that declines now cedes its copies to the call it declined for: they count as A's.
-    rl = make_redlock(masters)
-    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)  # run_ids known: the order
-    first, second, third = rl.claim_order()
-    name = rl._claim_name("k", "dedupe:t")
-    for i in (first, second):  # A's quorum write
-        with masters[i].client() as conn:
-            conn.set(name, "job-x", px=60_000)
-            conn.set(name + CLAIMED_BY, "a" * 32, px=5_000)
-    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
-        "job-x",
-        False,
-    )  # B: wrote the third master, found A's quorum
-    with masters[third].client() as conn:  # B ceded its copy to A (not waited for)
-        wait_for(lambda: conn.get(name + CLAIMED_BY) == b"a" * 32, timeout=3)
-    with masters[first].client() as conn:
-        conn.delete(name, name + CLAIMED_BY)  # lost (restarted empty)
-    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
-        "job-x",
-        False,
-    )  # C
+    _, (first, second, third), name = _ordered(masters)
+    for i in (first, second):
+        _copy(masters, i, name, A_ID)
+    assert _claim_x(make_redlock(masters)) == ("job-x", False)  # B
+    _ceded_to_a(masters, third, name)
+    assert _lose_and_claim_again(masters, first, name) == ("job-x", False)  # C
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
@@ -394,58 +407,34 @@ def test_a_decliner_whose_own_reply_comes_last_still_cedes_its_copy(masters: Mas
     # decided B's round before B's own reply came, so B, counting no write of its own,
     # ceded nothing, and after one lost copy a later publish read a split. The cede is now
     # sent behind the reply not waited for, on the same connection.
-    rl = make_redlock(masters)
-    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)
-    first, second, third = rl.claim_order()
-    name = rl._claim_name("k", "dedupe:t")
-    for i in (first, second):  # A's quorum write
-        with masters[i].client() as conn:
-            conn.set(name, "job-x", px=60_000)
-            conn.set(name + CLAIMED_BY, "a" * 32, px=5_000)
+    _, (first, second, third), name = _ordered(masters)
+    for i in (first, second):
+        _copy(masters, i, name, A_ID)
     b = make_redlock(masters, node_timeout=1.0)
     b.claim("warm-up-b", "dedupe:t", "w", 60, guard_for=0)  # connected before the pause
     masters[third].pause()
     try:
-        assert b.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
+        assert _claim_x(b) == ("job-x", False)
     finally:
         masters[third].resume()
-    with masters[third].client() as conn:  # B's write there, ceded to A behind it
-        wait_for(lambda: conn.get(name + CLAIMED_BY) == b"a" * 32, timeout=3)
-    with masters[first].client() as conn:
-        conn.delete(name, name + CLAIMED_BY)  # lost (restarted empty)
-    assert make_redlock(masters).claim("k", "dedupe:t", "job-x", 60, guard_for=0) == (
-        "job-x",
-        False,
-    )
+    _ceded_to_a(masters, third, name)
+    assert _lose_and_claim_again(masters, first, name) == ("job-x", False)
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
 def test_a_stale_own_id_beside_a_value_written_again_later_is_not_the_calls(
-    masters: Masters,
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The second review's reproduction (x3), a rolling upgrade: an older client's undo
     # deletes a copy of A's first attempt but not A's id; the older client then writes the
     # value there itself (and on another master: a quorum, it publishes). A's next attempt
     # took that copy for its own (two publishes). The copy's TTL, far ahead of the id's,
     # tells it was written later.
-    from celery_redlock.lock import process
-
-    rl = make_redlock(masters)
-    rl.claim("warm-up", "dedupe:t", "w", 60, guard_for=0)
-    first, second, _third = rl.claim_order()
-    name = rl._claim_name("k", "dedupe:t")
-    mine = "a" * 32
-    with masters[first].client() as conn:
-        conn.set(name + CLAIMED_BY, mine, px=4_000)  # A's id, a second old
-        conn.set(name, "job-x", px=60_000)  # the older client's copy
-    with masters[second].client() as conn:
-        conn.set(name, "job-x", px=60_000)
-    real = process.token_hex
-    process.token_hex = lambda: mine
-    try:
-        assert rl.claim("k", "dedupe:t", "job-x", 60, guard_for=0) == ("job-x", False)
-    finally:
-        process.token_hex = real
+    rl, (first, second, _), name = _ordered(masters)
+    _copy(masters, first, name, A_ID, id_ms=4_000)  # A's id, a second old; the older copy
+    _copy(masters, second, name, None)
+    monkeypatch.setattr(process, "token_hex", lambda: A_ID)
+    assert _claim_x(rl) == ("job-x", False)
 
 
 @pytest.mark.parametrize("masters", [3], indirect=True)
