@@ -810,7 +810,7 @@ class Redlock:
         read a split and publish the job again. Not when the call it declined for is not
         known (a split with a master unheard); not waited for, as an undo.
         """
-        target = _ceded_to(result, excluded, ours, self.quorum, self.claim_order)
+        target = _ceded_to(result, excluded, ours, self.quorum, self.claim_order, call.encode())
         if target is None:
             return
         relabel = (scripts.RELABEL.call(1, writer, call, target), 1)
@@ -1670,18 +1670,22 @@ def _by_one_other(result: RoundResult, excluded: Set[int], ours: bytes, own: byt
     apart. A copy under this call's own id (``own``) that the script did not take for its
     own (ceded to it with TTLs unlike its own, or its id beside a value written later) is
     neither: it is left out."""
-    by: dict[object, int] = {}
-    found = 0
+    by = _writers(result, excluded, ours, own)
+    if b"" in by:
+        return sum(by.values())
+    return max(by.values(), default=0)
+
+
+def _writers(result: RoundResult, excluded: Set[int], ours: bytes, own: bytes) -> dict[bytes, int]:
+    """How many copies of ``ours`` each other call wrote, by its id (b'' for none), outside
+    ``excluded`` and leaving out copies under ``own`` (see :func:`_by_one_other`)."""
+    by: dict[bytes, int] = {}
     for i, reply in enumerate(result.replies):
         if reply is not None and i not in excluded:
             first = reply[0]
             if type(first) is list and first[0] == ours and (first[1] != own or not own):
-                writer = first[1]
-                by[writer] = by.get(writer, 0) + 1
-                found += 1
-    if b"" in by:
-        return found
-    return max(by.values(), default=0)
+                by[first[1]] = by.get(first[1], 0) + 1
+    return by
 
 
 def _ceded_to(
@@ -1690,26 +1694,20 @@ def _ceded_to(
     ours: bytes,
     quorum: int,
     order: Callable[[], Sequence[int]],
+    own: bytes,
 ) -> str | None:
-    """The id of the call a declining claim of ``ours`` declined for: '' when a copy has
-    no id (all copies count as one call's then, see :func:`_by_one_other`), the call with
-    a quorum of copies, else (a split) the one that wrote the first master in ``order()``.
+    """The id of the call a declining claim of ``ours`` (its own id ``own``) declined for:
+    '' when a copy has no id (all copies count as one call's then, see
+    :func:`_by_one_other`), the call with a quorum of copies, else (a split) the one that
+    wrote the first master in ``order()``.
     None when that is not known: a split with a master unheard (or in ``excluded``)."""
-    by: dict[bytes, int] = {}
-    unheard = False
-    for i, reply in enumerate(result.replies):
-        if reply is None or i in excluded:
-            unheard = True
-            continue
-        first = reply[0]
-        if type(first) is list and first[0] == ours:
-            by[first[1]] = by.get(first[1], 0) + 1
+    by = _writers(result, excluded, ours, own)
     if b"" in by:
         return ""
     for writer, count in by.items():
         if count >= quorum:
             return writer.decode()
-    if unheard:
+    if any(reply is None or i in excluded for i, reply in enumerate(result.replies)):
         return None
     for i in order():
         if i in excluded:
