@@ -173,37 +173,45 @@ def run_round(
             if master.down or master.last_error:  # (mark_up does nothing else)
                 master.mark_up()
         else:
-            broken(i, problem)
-
-    def broken(i: int, why: str) -> None:
-        link = links[i]
-        link.close()
-        link.master.connect_after = clock() + reconnect_backoff
-        link.master.mark_down(why)
-        errors[i] = link.master.last_error
+            _broken(links[i], i, problem, errors, clock() + reconnect_backoff)
 
     n = len(links)
-    result = RoundResult(replies=[None] * n)
+    result = RoundResult([None] * n)
     errors = result.errors
     slots: dict[int, Slot] = {}
-    unconnected = False
-    for link in links:
+    # One pass over the links sends each its payload; the first one found unconnected
+    # has every unconnected link connected at once (see _connect_all) before it.
+    connected = False
+    some_down = False
+    for i, link in enumerate(links):
         if link.in_doubt:
             # An exception cut a send or a hand-out of replies short (a signal's): which
             # reply answers what is no longer known. Reconnected below; a reply matched
             # to the wrong command could count a vote that was never given.
             link.close()
-        if link.sock is None:
-            unconnected = True
-    if unconnected:
-        _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)
-    for i, payload in enumerate(payloads):
+        master = link.master
+        if master.down:
+            some_down = True
+        payload = payloads[i]
         if payload is None:
             continue
-        link = links[i]
-        if link.sock is None:  # could not connect: _connect_all said why in errors
-            continue
-        master = link.master
+        if link.sock is None:
+            if connected:  # could not connect: _connect_all said why in errors
+                continue
+            connected = True
+            for later in links[i + 1 :]:
+                if later.in_doubt:
+                    later.close()
+            _connect_all(
+                links,
+                [None] * i + list(payloads[i:]),
+                errors,
+                clock,
+                node_timeout,
+                reconnect_backoff,
+            )
+            if link.sock is None:
+                continue
         try:
             slots[i] = link.send(payload[0], payload[1])
         except (OSError, ConnectionError) as exc:
@@ -211,13 +219,14 @@ def run_round(
             master.connect_after = clock() + reconnect_backoff
             master.mark_down(f"send failed: {exc}")
             errors[i] = master.last_error
-    for i, slot in (awaiting or {}).items():
-        if slot.done:
-            accept(i, slot)
-        elif any(s is slot for s in links[i].outstanding):
-            slots[i] = slot
-        else:
-            errors[i] = links[i].master.last_error or "connection closed since"
+    if awaiting:
+        for i, slot in awaiting.items():
+            if slot.done:
+                accept(i, slot)
+            elif any(s is slot for s in links[i].outstanding):
+                slots[i] = slot
+            else:
+                errors[i] = links[i].master.last_error or "connection closed since"
     if not wait:
         # Nothing is waited for: every slot is left to later rounds on these links.
         result.late.update(slots)
@@ -234,12 +243,7 @@ def run_round(
     blank = len(slots) == n and not awaiting
     # Masters only turn down here by failing, which ends their wait: with none down at
     # the start (the usual case), the check below need not run on every wake-up.
-    some_down = False
-    if not wait_on_down:
-        for link in links:
-            if link.master.down:
-                some_down = True
-                break
+    some_down = some_down and not wait_on_down
     while pending:
         if decided is not None and not blank and decided(result):
             break
@@ -272,7 +276,7 @@ def run_round(
                 del pending[i]
                 continue
             except Exception as exc:  # noqa: BLE001 - not RESP (hiredis.ProtocolError) or worse
-                broken(i, f"malformed reply: {exc}")
+                _broken(link, i, f"malformed reply: {exc}", errors, clock() + reconnect_backoff)
                 del pending[i]
                 continue
             slot = pending[i]
@@ -300,6 +304,15 @@ def run_round(
             else:
                 result.not_waited.add(i)
     return result
+
+
+def _broken(link: Link, i: int, why: str, errors: dict[int, str], retry_at: float) -> None:
+    """Close a link whose master answered what no command returns, and mark it down
+    until ``retry_at`` (its replies cannot be matched to commands any more)."""
+    link.close()
+    link.master.connect_after = retry_at
+    link.master.mark_down(why)
+    errors[i] = link.master.last_error
 
 
 def _answered(exc: BaseException) -> bool:

@@ -716,7 +716,11 @@ class Redlock:
                                     )
                             return False
 
-                        payloads = [None if i in quarantined else payload for i in range(n)]
+                        payloads = (
+                            [None if i in quarantined else payload for i in range(n)]
+                            if quarantined
+                            else [payload] * n
+                        )
                         result = self._round(lane, payloads, decided, valid=_claim_replies)
                         votes: dict[bytes, int] = {}
                         fresh = 0
@@ -725,7 +729,11 @@ class Redlock:
                             if h is not None:
                                 votes[h] = votes.get(h, 0) + 1
                                 fresh += x is not None and x[0] == 1
-                        winner = next((h for h, c in votes.items() if c >= q), None)
+                        winner = None
+                        for h, c in votes.items():
+                            if c >= q:
+                                winner = h
+                                break
                         if winner == ours:
                             guarded = min(ttl, limits.MAX_TTL) if guard_for is None else guard_for
                             if guarded:

@@ -77,8 +77,10 @@ def _wait_fds(by_fd: Mapping[int, T], events: int, timeout: float, write: bool) 
     for fd in by_fd:
         poller.register(fd, events)
     # poll takes milliseconds; round up so a short wait never becomes a busy poll of 0.
-    ms = max(0.0, timeout) * 1000.0
-    return [by_fd[fd] for fd, _ in poller.poll(ms if ms == 0.0 else max(ms, 1.0))]
+    events_found = poller.poll(0.0 if timeout <= 0.0 else max(timeout * 1000.0, 1.0))
+    if len(events_found) == 1:  # the usual case: one master's reply
+        return [by_fd[events_found[0][0]]]
+    return [by_fd[fd] for fd, _ in events_found]
 
 
 class _Fd:
