@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -39,7 +39,9 @@ from .wire import ReplyError
 
 __all__ = ["Lane", "RoundResult", "Validator", "run_round"]
 
-#: Says whether one master's replies to a round have the shape its commands return.
+#: Says whether one master's replies to a round have the shape its commands return. It
+#: never accepts an error reply (:class:`.wire.ReplyError`): those are told apart only
+#: when it refuses (tests/core/test_link.py checks every validator of the rounds).
 Validator = Callable[[list[object]], bool]
 
 
@@ -152,28 +154,28 @@ def run_round(
     def accept(i: int, slot: Slot) -> None:
         link = links[i]
         replies = slot.replies
-        problem = None
-        for reply in replies:
-            if isinstance(reply, ReplyError):
-                if "NOSCRIPT" in str(reply):
-                    link.close()  # flushed on the master: reconnecting loads them again
-                errors[i] = f"error reply: {reply}"
-                link.master.mark_up()  # it answered
-                return
+        ok = True
         if valid is not None:
             try:
                 ok = valid(replies)
             except Exception:  # noqa: BLE001 - a validator tripping on a reply means "bad"
                 ok = False
-            if not ok:
-                problem = f"unexpected reply {replies!r:.120}"
-        if problem is None:
+        if not ok or valid is None:  # (a validator never accepts an error reply)
+            for reply in replies:
+                if isinstance(reply, ReplyError):
+                    if "NOSCRIPT" in str(reply):
+                        link.close()  # flushed on the master: reconnecting loads them again
+                    errors[i] = f"error reply: {reply}"
+                    link.master.mark_up()  # it answered
+                    return
+        if ok:
             result.replies[i] = replies
             master = link.master
             if master.down or master.last_error:  # (mark_up does nothing else)
                 master.mark_up()
         else:
-            _broken(links[i], i, problem, errors, clock() + reconnect_backoff)
+            problem = f"unexpected reply {replies!r:.120}"
+            _broken(link, i, problem, errors, clock() + reconnect_backoff)
 
     n = len(links)
     result = RoundResult([None] * n)
@@ -326,12 +328,20 @@ def _answered(exc: BaseException) -> bool:
     )
 
 
-def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> list[int]:
+def _ready(links: Sequence[Link], indexes: Collection[int], timeout: float) -> list[int]:
     """Which of ``links[i]`` for ``i`` in ``indexes`` have something to read.
 
     A TLS socket may hold decrypted bytes that ``select`` does not see: those count
     at once; otherwise ``select`` waits up to ``timeout`` for the first readable ones.
+    One link left to wait for is waited on through its :attr:`Link.watcher`.
     """
+    if len(indexes) == 1:
+        for i in indexes:
+            watcher = links[i].watcher
+            if watcher is not None:
+                found = watcher.readable(timeout)
+                if found is not None:
+                    return [i] if found else []
     by_fd = {}
     ready: list[int] = []
     for i in indexes:
@@ -347,7 +357,7 @@ def _ready(links: Sequence[Link], indexes: Iterable[int], timeout: float) -> lis
     return waiting.readable_fds(by_fd, timeout)
 
 
-def _spin(links: Sequence[Link], indexes: Iterable[int], until: float) -> list[int]:
+def _spin(links: Sequence[Link], indexes: Collection[int], until: float) -> list[int]:
     """Like :func:`_ready`, polling without sleeping until ``until`` (``time.monotonic``)."""
     while True:
         ready = _ready(links, indexes, 0.0)

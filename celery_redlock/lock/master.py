@@ -755,6 +755,7 @@ class Link:
         "partial",
         "reader",
         "sock",
+        "watcher",
     )
 
     def __init__(self, master: Master) -> None:
@@ -765,6 +766,9 @@ class Link:
         #: ``select`` then costs one system call, where a socket with a timeout adds
         #: a ``poll`` before each (TLS sockets keep their timeout)
         self._nonblocking = False
+        #: the socket registered with ``poll`` once (plain TCP and unix sockets; None for
+        #: TLS, whose decrypted bytes ``poll`` does not see): see :class:`.waiting.Watcher`
+        self.watcher: waiting.Watcher | None = None
         self.reader = wire.reader()
         self.outstanding: deque[Slot] = deque()
         #: True while a send or a hand-out of replies is under way: an exception raised in
@@ -821,6 +825,7 @@ class Link:
             self._nonblocking = not _is_tls(sock)
             if self._nonblocking:
                 sock.setblocking(False)
+                self.watcher = waiting.watcher(sock.fileno())
             self.reader = wire.reader()
             self.outstanding.clear()
             prefix: tuple[tuple[str, ...], ...] = getattr(conn, "handshake", ())
@@ -870,6 +875,7 @@ class Link:
 
     def close(self) -> None:
         conn, self._conn, self.sock = self._conn, None, None
+        self.watcher = None
         self.in_doubt = self.partial = False
         self.outstanding.clear()
         self.reader = wire.reader()
@@ -883,6 +889,7 @@ class Link:
         """Drop the connection without touching the socket (after fork, in the child)."""
         self._conn = None
         self.sock = None
+        self.watcher = None
         self.in_doubt = self.partial = False
         self.outstanding.clear()
         self.reader = wire.reader()

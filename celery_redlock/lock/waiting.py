@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["cores_busy", "readable", "writable"]
+__all__ = ["Watcher", "cores_busy", "readable", "readable_fds", "watcher", "writable"]
 
 #: Seconds between two reads of the load average by :func:`cores_busy`.
 LOAD_CHECK_PERIOD = 1.0
@@ -148,6 +148,35 @@ def _eventlet_wait(socks: Sequence[_Fd], write: bool, timeout: float) -> list[_F
             hub.remove(listener)
         timer.cancel()
     return ready_now()
+
+
+class Watcher:
+    """One socket's descriptor registered with ``poll`` once, for a link that waits on
+    it alone again and again (a round on one master, or the last reply of a round):
+    each wait is then one ``poll`` call, not a poll object and a registration."""
+
+    __slots__ = ("_poll", "_poller")
+
+    def __init__(self, poll: Any, fd: int) -> None:
+        self._poll = poll
+        self._poller = poll()
+        self._poller.register(fd, _READ)
+
+    def readable(self, timeout: float) -> bool | None:
+        """Whether the socket has something to read (or an error) within ``timeout``
+        s; None when ``select.poll`` is not the one this watcher was made with (an event
+        library patched it since): the caller waits as :func:`readable_fds` does."""
+        if getattr(select, "poll", None) is not self._poll:
+            return None
+        # poll takes milliseconds; round up so a short wait never becomes a busy poll of 0.
+        return bool(self._poller.poll(0.0 if timeout <= 0.0 else max(timeout * 1000.0, 1.0)))
+
+
+def watcher(fd: int) -> Watcher | None:
+    """A :class:`Watcher` of ``fd``; None where ``select.poll`` is absent (eventlet's and
+    gevent's patched ``select`` have none, and some platforms)."""
+    poll = getattr(select, "poll", None)
+    return None if poll is None else Watcher(poll, fd)
 
 
 def readable_fds(by_fd: Mapping[int, T], timeout: float) -> list[T]:

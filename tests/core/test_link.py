@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+import select
 import time
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from celery_redlock.lock import Redlock
+from celery_redlock.lock import redlock as redlock_mod
+from celery_redlock.lock.fanout import Validator
 from celery_redlock.lock.master import Link, make_master
 from celery_redlock.lock.wire import ReplyError, fragment, pack
 from celery_redlock.testing import Masters
@@ -107,3 +116,75 @@ def test_link_gives_up_a_send_a_stopped_master_never_takes(masters: Masters) -> 
     finally:
         masters[0].resume()
         link.close()
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_a_link_waits_on_its_watcher_and_on_a_patched_poll(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link registers its socket with ``poll`` once and its rounds wait on that; once an
+    event library has put another ``poll`` in place, rounds wait through that one (the
+    watcher's own would block every green thread)."""
+    real = select.poll
+    made: list[str] = []
+
+    def counting(name: str) -> Any:
+        def poll() -> Any:
+            made.append(name)
+            return real()
+
+        return poll
+
+    monkeypatch.setattr(select, "poll", counting("first"))
+    redlock = Redlock(masters.urls, spin_wait=0)
+    try:
+        redlock.acquire("watched", 5).release()  # connects: the watcher's poll object
+        assert made.count("first") >= 1
+        made.clear()
+        for _ in range(20):
+            redlock.acquire("watched", 5).release()
+        assert made == []  # the watcher's poll object, registered once
+        monkeypatch.setattr(select, "poll", counting("patched"))
+        for _ in range(3):
+            redlock.acquire("watched", 5).release()
+        assert made
+        assert set(made) == {"patched"}
+    finally:
+        redlock.close()
+    (link,) = redlock._lanes[0].links
+    assert link.watcher is None  # dropped with its socket
+
+
+# -- the rounds' reply validators ------------------------------------------------------
+
+_RESP = st.recursive(
+    st.none() | st.integers(-(2**63), 2**63 - 1) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _validators() -> dict[str, Validator]:
+    """Every validator a round of :class:`Redlock` is given (``valid=`` in its source, and
+    the default), by name: a new one is checked here without being listed."""
+    source = inspect.getsource(redlock_mod)
+    names = set(re.findall(r"valid=(_[a-z_]+)\)", source)) | {"_script_replies"}
+    assert len(names) >= 7, names
+    return {name: getattr(redlock_mod, name) for name in sorted(names)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_no_validator_accepts_an_error_reply(data: st.DataObject) -> None:
+    """run_round looks for error replies (a NOSCRIPT closes the link) only among replies
+    a validator refused: a validator accepting one would count an error as a vote."""
+    name = data.draw(st.sampled_from(sorted(_validators())), label="validator")
+    replies = data.draw(st.lists(_RESP, max_size=3), label="other replies")
+    at = data.draw(st.integers(0, len(replies)), label="error at")
+    text = data.draw(st.sampled_from(["NOSCRIPT No matching script", "ERR wrong", "OOM"]))
+    replies.insert(at, ReplyError(text))
+    try:
+        accepted = _validators()[name](replies)
+    except Exception:  # noqa: BLE001 - run_round counts a validator raising as a refusal
+        accepted = False
+    assert not accepted, (name, replies)
