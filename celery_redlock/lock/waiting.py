@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from types import BuiltinFunctionType
 from typing import Any, TypeVar
 
 __all__ = ["Watcher", "cores_busy", "readable", "readable_fds", "watcher", "writable"]
@@ -173,10 +174,14 @@ class Watcher:
 
 
 def watcher(fd: int) -> Watcher | None:
-    """A :class:`Watcher` of ``fd``; None where ``select.poll`` is absent (eventlet's and
-    gevent's patched ``select`` have none, and some platforms)."""
+    """A :class:`Watcher` of ``fd``, where ``select.poll`` is the standard library's; None
+    elsewhere: eventlet's patched ``select`` has no ``poll``, and gevent's ``poll`` waits
+    on the event loop of the thread that made it, where a lane's links serve whichever
+    thread takes the lane (its replies would go unseen on any other thread's wait)."""
     poll = getattr(select, "poll", None)
-    return None if poll is None else Watcher(poll, fd)
+    if type(poll) is not BuiltinFunctionType or poll.__module__ != "select":
+        return None
+    return Watcher(poll, fd)
 
 
 def readable_fds(by_fd: Mapping[int, T], timeout: float) -> list[T]:
