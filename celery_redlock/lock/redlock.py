@@ -92,28 +92,73 @@ def _undo_interrupted(lane: Lane, undo: Callable[[], bytes], kind: type[BaseExce
     the command, and the connection is then closed (the master still runs what it has
     read; the replies are not waited for, so a command written without a slot for its
     reply is undone too). A connection on which a command may be partly written is only
-    closed: the master drops a partial command. Without this, an interrupted acquire's
-    keys stood on the masters for their whole TTL, held by nobody.
+    closed: the master drops a partial command. But an exception can also land as the
+    send returns, the whole command written and the link not yet told: so after the
+    close, such a link's undo is sent again on a new connection, off this thread (see
+    :func:`_undo_on_new_connections`). Without this, an interrupted acquire's keys stood
+    on the masters for their whole TTL, held by nobody.
 
     Called from an ``except`` clause, not a context manager's ``__exit__``: the success
     path then calls no Python function after the round, where a signal's exception could
     land past the guard with the lock taken (see :meth:`Redlock._try_acquire`).
     """
     payload: bytes | None = None
+    cut: list[Master] = []
     for link in lane.links:
         if link.sock is None:
             continue
-        if not link.partial:
+        if link.partial:
+            cut.append(link.master)
+        else:
             try:
                 payload = payload or undo()
                 link.send(payload, 1)
             except Exception:  # noqa: BLE001 - best effort, the link closes anyway
                 logger.debug("could not send the undo to %s", link.master.name)
         link.close()
+    if cut:
+        _undo_on_new_connections(cut, payload or undo())
     logger.warning(
         "a lock operation was interrupted (%s); what it may have taken on the masters is undone",
         kind.__name__,
     )
+
+
+def _undo_on_new_connections(masters: Sequence[Master], payload: bytes) -> None:
+    """Send ``payload`` (an undo by token or value) to each of ``masters`` on a connection
+    of its own, from a daemon thread, and wait for its reply up to ``node_timeout``.
+
+    For links an exception closed with a command maybe partly written: the master dropped
+    a partial command with the connection, and ran a whole one before it read the close
+    (it had read the command first), so this undo, sent after a new connection's
+    handshake was answered, runs after it either way; where nothing stands, it deletes
+    nothing. A thread, since the caller is on its way out with an exception (a soft time
+    limit) and connecting can take a ``node_timeout``.
+    """
+
+    def run() -> None:
+        for master in masters:
+            link = Link(master)
+            try:
+                link.connect(time.monotonic())
+                slot = link.send(payload, 1)
+                deadline = time.monotonic() + master.node_timeout
+                while not slot.done:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not link.wait_readable(remaining):
+                        raise TimeoutError(f"no reply within {master.node_timeout}s")
+                    link.read_available()
+            except Exception as exc:  # noqa: BLE001 - best effort: the keys expire anyway
+                logger.warning(
+                    "could not undo an interrupted lock operation on %s (%s): what it took "
+                    "there stands until its TTL ends",
+                    master.name,
+                    exc,
+                )
+            finally:
+                link.close()
+
+    threading.Thread(target=run, name="redlock-undo", daemon=True).start()
 
 
 class Redlock:

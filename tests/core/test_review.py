@@ -388,6 +388,61 @@ def test_an_acquire_cut_short_after_writing_its_command_is_undone(
         wait_for(lambda server=server: "redlock:{k}" not in keys_on(server), timeout=5)
 
 
+class _AsSendReturns:
+    """A ``sys.setprofile`` hook raising :class:`_Interrupted` as the ``nth`` socket send of
+    ``Link.send`` returns (a pending signal's handler runs there): the whole command is
+    written and the link still notes it as maybe partly written."""
+
+    def __init__(self, nth: int) -> None:
+        from celery_redlock.lock.master import Link
+
+        self.code = Link.send.__code__
+        self.left = nth
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code is self.code and arg.__name__ == "send":
+            if self.left == 0:
+                self.fired = True
+                sys.setprofile(None)
+                raise _Interrupted("the soft time limit")
+            self.left -= 1
+
+
+@pytest.mark.parametrize("operation", ["acquire", "claim"])
+@pytest.mark.parametrize("nth", [0, 1, 2])
+def test_an_interrupt_as_a_send_returns_is_undone_on_a_new_connection(
+    masters: Masters, operation: str, nth: int
+) -> None:
+    """Review of 2026-11-28: an exception landing as ``sock.send`` returned (the command
+    whole on its way, ``partial`` still set) had the undo skip that link and only close
+    it; the master ran the command, and the lock (or a claim for a job never published)
+    stood there for its TTL, held by nobody."""
+    rl = make_redlock(masters, node_timeout=1.0)
+    rl.acquire("warm-up", 10).release()  # connections open, scripts loaded
+    if operation == "acquire":
+        call: Any = lambda: rl.acquire("k", 60)  # noqa: E731
+    else:
+        call = lambda: rl.claim("k", "dedupe:t", "job-1", 3600, guard_for=0)  # noqa: E731
+    hook = _AsSendReturns(nth)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(_Interrupted):
+            call()
+    finally:
+        sys.setprofile(None)
+    assert hook.fired
+    name = "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t"
+    for server in masters:
+        wait_for(
+            lambda server=server: name not in keys_on(server),
+            timeout=10,
+            message=f"{name} undone on {server!r}",
+        )
+    lease = rl.acquire("k", 10)  # the client goes on
+    lease.release()
+
+
 @pytest.mark.parametrize("masters", [1], indirect=True)
 def test_a_release_cut_short_never_lends_its_reply_to_the_next_round(
     masters: Masters, monkeypatch: pytest.MonkeyPatch
