@@ -181,43 +181,33 @@ def run_round(
     result = RoundResult([None] * n)
     errors = result.errors
     slots: dict[int, Slot] = {}
-    # One pass over the links sends each its payload; the first one found unconnected
-    # has every unconnected link connected at once (see _connect_all) before it.
-    connected = False
+    unconnected = False
     some_down = False
-    for i, link in enumerate(links):
+    for link in links:
         if link.in_doubt:
             # An exception cut a send or a hand-out of replies short (a signal's): which
             # reply answers what is no longer known. Reconnected below; a reply matched
             # to the wrong command could count a vote that was never given.
             link.close()
-        master = link.master
-        if master.down:
+        if link.sock is None:
+            unconnected = True
+        if link.master.down:
             some_down = True
-        payload = payloads[i]
+    if unconnected:
+        # Connected before anything is sent: an exception (a signal's) landing in the
+        # connects finds nothing of this round on the masters to undo.
+        _connect_all(links, payloads, errors, clock, node_timeout, reconnect_backoff)
+    for i, payload in enumerate(payloads):
         if payload is None:
             continue
-        if link.sock is None:
-            if connected:  # could not connect: _connect_all said why in errors
-                continue
-            connected = True
-            for later in links[i + 1 :]:
-                if later.in_doubt:
-                    later.close()
-            _connect_all(
-                links,
-                [None] * i + list(payloads[i:]),
-                errors,
-                clock,
-                node_timeout,
-                reconnect_backoff,
-            )
-            if link.sock is None:
-                continue
+        link = links[i]
+        if link.sock is None:  # could not connect: _connect_all said why in errors
+            continue
         try:
             slots[i] = link.send(payload[0], payload[1])
         except (OSError, ConnectionError) as exc:
             link.close()
+            master = link.master
             master.connect_after = clock() + reconnect_backoff
             master.mark_down(f"send failed: {exc}")
             errors[i] = master.last_error
