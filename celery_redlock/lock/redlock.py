@@ -158,7 +158,15 @@ def _undo_on_new_connections(masters: Sequence[Master], payload: bytes) -> None:
             finally:
                 link.close()
 
-    threading.Thread(target=run, name="redlock-undo", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="redlock-undo", daemon=True).start()
+    except Exception as exc:  # noqa: BLE001 - never in place of the interrupting exception
+        logger.warning(
+            "could not undo an interrupted lock operation on %s (%s): what it took there "
+            "stands until its TTL ends",
+            ", ".join(m.name for m in masters),
+            exc,
+        )
 
 
 class Redlock:
@@ -730,6 +738,11 @@ class Redlock:
         def unclaim() -> bytes:
             return scripts.UNCLAIM.call(2, name, writer, value)
 
+        def unclaim_own() -> bytes:
+            # An interrupted claim undoes only what this call wrote: a copy it found (the
+            # same job id claimed by another call, which publishes it) stays.
+            return scripts.UNCLAIM.call(2, name, writer, value, call)
+
         created = False
         try:
             for attempt in range(4):
@@ -816,7 +829,7 @@ class Redlock:
                                 wait=winner is None,
                             )
                     except BaseException as exc:
-                        _undo_interrupted(lane, unclaim, type(exc))
+                        _undo_interrupted(lane, unclaim_own, type(exc))
                         raise
                 finally:
                     # Unlocked here rather than by Lane.__exit__ (see _try_acquire).
@@ -839,7 +852,7 @@ class Redlock:
                 # was given back): a marker naming a job its caller never published.
                 lane = self._lane(first)
                 try:
-                    _undo_interrupted(lane, unclaim, type(exc))
+                    _undo_interrupted(lane, unclaim_own, type(exc))
                 finally:
                     lane.lock.release()
             raise

@@ -177,16 +177,21 @@ return 1
 CLAIMED_BY = ":{claimed-by"
 
 #: KEYS[1] claim key, KEYS[2] the id of the call that wrote it (``CLAIM``'s KEYS[2]).
-#: ARGV[1] value.
-#: Returns 1 when the key held exactly ARGV[1] and is now deleted (with KEYS[2]), else 0.
+#: ARGV[1] value, ARGV[2] (optional) a call's id: then only a copy that call wrote (or
+#: was ceded) is deleted, never the same value another call wrote.
+#: Returns 1 when the key held exactly ARGV[1] (written by ARGV[2]) and is now deleted
+#: (with KEYS[2]), else 0.
 UNCLAIM = Script(
     "unclaim",
     """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    redis.call('DEL', KEYS[1], KEYS[2])
-    return 1
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
 end
-return 0
+if ARGV[2] and redis.call('GET', KEYS[2]) ~= ARGV[2] then
+    return 0
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
 """,
 )
 

@@ -443,6 +443,64 @@ def test_an_interrupt_as_a_send_returns_is_undone_on_a_new_connection(
     lease.release()
 
 
+@pytest.mark.parametrize("masters", [1, 3], indirect=True)
+def test_an_interrupted_duplicate_claim_leaves_the_first_claim(masters: Masters) -> None:
+    """Review of the undo on a new connection: a claim of a job id another call had
+    already claimed (a duplicate publish), interrupted as its send returned, wrote
+    nothing, but its undo deleted the value wherever it was (the other call's marker, on a
+    new connection too): a third publish of the id was then taken as fresh (published
+    twice). An interrupted claim's undo now deletes only what its own call wrote."""
+    first = make_redlock(masters, node_timeout=1.0)
+    duplicate = make_redlock(masters, node_timeout=1.0)
+    third = make_redlock(masters, node_timeout=1.0)
+    duplicate.acquire("warm-up", 10).release()
+    assert first.claim("k", "dedupe:t", "job-1", 3600, guard_for=0) == ("job-1", True)
+    hook = _AsSendReturns(0)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(_Interrupted):
+            duplicate.claim("k", "dedupe:t", "job-1", 3600, guard_for=0)
+    finally:
+        sys.setprofile(None)
+    assert hook.fired
+    wait_for(
+        lambda: not any(t.name == "redlock-undo" for t in threading.enumerate()),
+        timeout=10,
+        message="the undo's thread done",
+    )
+    assert all("redlock:{k}:dedupe:t" in keys_on(server) for server in masters)
+    assert third.claim("k", "dedupe:t", "job-1", 3600, guard_for=0) == ("job-1", False)
+
+
+@pytest.mark.parametrize("masters", [1], indirect=True)
+def test_an_undo_thread_that_cannot_start_leaves_the_interrupt(
+    masters: Masters, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of the undo on a new connection: where no thread could be started (a
+    process at its thread or memory limit), ``RuntimeError`` replaced the interrupting
+    exception (a task's soft time limit handler never ran). It is logged instead."""
+    real = threading.Thread
+
+    class Refused(real):  # type: ignore[valid-type,misc]
+        def start(self) -> None:
+            if self.name == "redlock-undo":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    rl = make_redlock(masters, node_timeout=1.0)
+    rl.acquire("warm-up", 10).release()
+    monkeypatch.setattr(threading, "Thread", Refused)
+    hook = _AsSendReturns(0)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(_Interrupted):
+            rl.acquire("k", 60)
+    finally:
+        sys.setprofile(None)
+    assert hook.fired
+    assert "could not undo an interrupted lock operation" in caplog.text
+
+
 @pytest.mark.parametrize("masters", [1], indirect=True)
 def test_a_release_cut_short_never_lends_its_reply_to_the_next_round(
     masters: Masters, monkeypatch: pytest.MonkeyPatch
