@@ -51,11 +51,13 @@ from benchmarks.raw_rounds import (
     RawRounds,
     acquire_payload,
     claim_payload,
+    connect,
     lock_name,
     release_payload,
 )
 from celery_redlock import SingletonTask
 from celery_redlock.client import redlock_for
+from celery_redlock.lock.wire import pack_command, reader
 from celery_redlock.testing import Masters, RedisServer, start_masters
 
 PLAIN, RAW, OURS, SINGLETON, ONCE = (
@@ -301,6 +303,54 @@ def _bytecodes(n_masters: int, counter: RedisServer, jobs: int, ids: Any) -> lis
     ]
 
 
+#: (what, top-level command in ``INFO commandstats``, payload of call ``i``)
+_COMMANDS: tuple[tuple[str, str, Any], ...] = (
+    ("CLAIM (publish)", "evalsha",
+     lambda i: claim_payload(f"{lock_name('t', i)}:dedupe:t", f"{i:036d}")),
+    ("ACQUIRE, 6 metadata fields (run)", "evalsha",
+     lambda i: acquire_payload(lock_name("t", i), f"{lock_name('t', i)}:dedupe:t", f"{i:032x}",
+                               f"{i:036d}")),
+    ("RELEASE (run's end)", "evalsha", lambda i: release_payload(lock_name("t", i), f"{i:032x}")),
+    ("SET NX PX (celery-singleton's lock)", "set",
+     lambda i: pack_command(("SET", f"singleton:{i:032x}", f"{i:036d}", "NX", "PX", 300_000))),
+    ("DEL (celery-singleton's unlock)", "del",
+     lambda i: pack_command(("DEL", f"singleton:{i:032x}"))),
+)  # fmt: skip
+
+
+def _server_time(calls: int, repeats: int = 3) -> list[str]:
+    """Each command's own time on the server, µs per call (``INFO commandstats``, the
+    top-level command: a script's includes the commands it calls), on one fresh server:
+    ``calls`` calls of each, pipelined 1,000 at a time, ``repeats`` times."""
+    seen: dict[str, list[float]] = {what: [] for what, _, _ in _COMMANDS}
+    with RedisServer() as server:
+        link, stats = connect(server.host, server.port), server.client()
+        try:
+            for _ in range(repeats):
+                stats.flushall()
+                for what, name, payload in _COMMANDS:
+                    stats.config_resetstat()
+                    for start in range(0, calls, 1000):
+                        batch = range(start, min(calls, start + 1000))
+                        link.sendall(b"".join(payload(i) for i in batch))
+                        replies, got = reader(), 0
+                        while got < len(batch):
+                            replies.feed(link.recv(1 << 20))
+                            while replies.gets() is not False:
+                                got += 1
+                    found = stats.info("commandstats")[f"cmdstat_{name}"]
+                    seen[what].append(found["usec"] / found["calls"])
+        finally:
+            link.close()
+    rows = [[what, f"{min(v):.1f} .. {max(v):.1f}"] for what, v in seen.items()]
+    return [
+        f"Server time per command (one fresh server; INFO commandstats, {calls:,} pipelined",
+        f"calls each, {repeats} times; µs per call, lowest .. highest): what runs on a master",
+        "apart from reading the command and writing the reply",
+        *table(["command", "µs per call"], rows),
+    ]
+
+
 def main(argv: list[str]) -> int:
     parser = arguments(__doc__.splitlines()[0], rounds=9, seconds=0)
     parser.add_argument("--batch", type=int, default=500, help="jobs per batch (default 500)")
@@ -369,6 +419,7 @@ def main(argv: list[str]) -> int:
             *table(["masters", "SingletonTask", "raw rounds", "own cost", "masters/raw"], summary),
             "",
         )
+        report.add(*_server_time(20_000), "")
         if not args.no_bytecodes:
             for n in args.masters:
                 report.add(*_bytecodes(n, counter, 200, ids), "")
