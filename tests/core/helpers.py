@@ -168,6 +168,26 @@ def in_child(body: Callable[[], bytes], timeout: float = 10.0) -> bytes:
         os.waitpid(pid, 0)
 
 
+def run_python(
+    script: str, *args: str, timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a child interpreter with this repository on its path (for what
+    cannot be undone in this process: an event library's monkey-patching), ``env`` added
+    to its environment; its output is captured as text."""
+    child_env = dict(os.environ, **env)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO), child_env.get("PYTHONPATH")])
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env,
+        check=False,
+    )
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

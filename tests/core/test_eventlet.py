@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -83,16 +80,11 @@ def test_eventlet_sleeps_after_lock_rounds_are_not_cut_short(
     # eventlet comes with the [test] extra: a missing one fails here rather than skipping.
     assert importlib.util.find_spec("eventlet") is not None, "eventlet is not installed"
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(helpers.REPO), env.get("PYTHONPATH")]))
-    env["PYTHONWARNINGS"] = "ignore"  # eventlet's deprecation notice
-    result = subprocess.run(
-        [sys.executable, "-c", EVENTLET_SCRIPT, json.dumps(masters.urls), json.dumps(spin)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-        check=False,
+    result = helpers.run_python(
+        EVENTLET_SCRIPT,
+        json.dumps(masters.urls),
+        json.dumps(spin),
+        PYTHONWARNINGS="ignore",  # eventlet's deprecation notice
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [], "sleeps cut short"

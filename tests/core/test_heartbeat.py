@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -367,16 +364,7 @@ def test_renewal_under_gevent(masters: Masters) -> None:
     # gevent comes with the [test] extra: a missing one fails here rather than skipping.
     import gevent  # noqa: F401
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(helpers.REPO), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", GEVENT_SCRIPT, json.dumps(masters.urls)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    result = helpers.run_python(GEVENT_SCRIPT, json.dumps(masters.urls), timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 

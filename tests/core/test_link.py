@@ -5,11 +5,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
 import re
 import select
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
@@ -215,16 +212,7 @@ def test_gevent_rounds_on_another_thread_see_their_replies(masters: Masters) -> 
     thread=False)``, gevent's threadpool) never saw its replies: every round timed out
     and a healthy master was marked down (on 3 masters, when one answered last)."""
     assert importlib.util.find_spec("gevent") is not None, "gevent is not installed"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(helpers.REPO), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", GEVENT_THREADS, json.dumps(masters.urls)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=env,
-        check=False,
-    )
+    result = helpers.run_python(GEVENT_THREADS, json.dumps(masters.urls))
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome == {"errors": [], "down": []}

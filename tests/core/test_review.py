@@ -300,6 +300,16 @@ def test_extend_in_a_forked_child_raises_instead_of_hanging(masters: Masters) ->
     lease.release()
 
 
+def _wait_undone(masters: Masters, name: str) -> None:
+    """Wait until no master holds ``name`` (an interrupted operation's undo landed)."""
+    for server in masters:
+        wait_for(
+            lambda server=server: name not in keys_on(server),
+            timeout=10,
+            message=f"{name} undone on {server!r}",
+        )
+
+
 class _Interrupted(Exception):
     """What a signal handler raises in these tests (as Celery's soft time limit does)."""
 
@@ -340,13 +350,7 @@ def test_an_interrupted_acquire_or_claim_leaves_nothing_on_the_masters(
     finally:
         masters[1].resume()
         masters[2].resume()
-    name = "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t"
-    for server in masters:
-        wait_for(
-            lambda server=server: name not in keys_on(server),
-            timeout=5,
-            message=f"{name} undone on {server!r}",
-        )
+    _wait_undone(masters, "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t")
     # The client goes on: the key is free for the next one.
     lease = rl.acquire("k", 10)
     assert lease.held
@@ -432,13 +436,7 @@ def test_an_interrupt_as_a_send_returns_is_undone_on_a_new_connection(
     finally:
         sys.setprofile(None)
     assert hook.fired
-    name = "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t"
-    for server in masters:
-        wait_for(
-            lambda server=server: name not in keys_on(server),
-            timeout=10,
-            message=f"{name} undone on {server!r}",
-        )
+    _wait_undone(masters, "redlock:{k}" if operation == "acquire" else "redlock:{k}:dedupe:t")
     lease = rl.acquire("k", 10)  # the client goes on
     lease.release()
 
