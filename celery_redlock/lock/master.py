@@ -794,16 +794,23 @@ class Link:
         """
         slot = self.open()
         try:
-            deadline = clock() + self.master.node_timeout
-            while not slot.done:
-                remaining = deadline - clock()
-                if remaining <= 0 or not self.wait_readable(remaining):
-                    raise TimeoutError(f"no handshake reply within {self.master.node_timeout}s")
-                self.read_available()
+            self.wait_for(slot, "handshake reply", clock)
         except BaseException:
             self.close()
             raise
         self.finish_handshake(slot, now)
+
+    def wait_for(
+        self, slot: Slot, what: str = "reply", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Read until ``slot`` is filled, within the master's ``node_timeout``; raise
+        ``TimeoutError`` (naming ``what``) after that, and what reading raises."""
+        deadline = clock() + self.master.node_timeout
+        while not slot.done:
+            remaining = deadline - clock()
+            if remaining <= 0 or not self.wait_readable(remaining):
+                raise TimeoutError(f"no {what} within {self.master.node_timeout}s")
+            self.read_available()
 
     def open(self, conn: Any = None) -> Slot:
         """Open the connection and send the handshake without waiting for its replies.

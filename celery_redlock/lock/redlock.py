@@ -136,37 +136,29 @@ def _undo_on_new_connections(masters: Sequence[Master], payload: bytes) -> None:
     limit) and connecting can take a ``node_timeout``.
     """
 
+    def not_undone(where: Sequence[Master], exc: Exception) -> None:
+        logger.warning(
+            "could not undo an interrupted lock operation on %s (%s): what it took there "
+            "stands until its TTL ends",
+            ", ".join(m.name for m in where),
+            exc,
+        )
+
     def run() -> None:
         for master in masters:
             link = Link(master)
             try:
                 link.connect(time.monotonic())
-                slot = link.send(payload, 1)
-                deadline = time.monotonic() + master.node_timeout
-                while not slot.done:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not link.wait_readable(remaining):
-                        raise TimeoutError(f"no reply within {master.node_timeout}s")
-                    link.read_available()
+                link.wait_for(link.send(payload, 1))
             except Exception as exc:  # noqa: BLE001 - best effort: the keys expire anyway
-                logger.warning(
-                    "could not undo an interrupted lock operation on %s (%s): what it took "
-                    "there stands until its TTL ends",
-                    master.name,
-                    exc,
-                )
+                not_undone([master], exc)
             finally:
                 link.close()
 
     try:
         threading.Thread(target=run, name="redlock-undo", daemon=True).start()
     except Exception as exc:  # noqa: BLE001 - never in place of the interrupting exception
-        logger.warning(
-            "could not undo an interrupted lock operation on %s (%s): what it took there "
-            "stands until its TTL ends",
-            ", ".join(m.name for m in masters),
-            exc,
-        )
+        not_undone(masters, exc)
 
 
 class Redlock:

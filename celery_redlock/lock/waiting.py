@@ -77,11 +77,16 @@ def _wait_fds(by_fd: Mapping[int, T], events: int, timeout: float, write: bool) 
     poller = poll()
     for fd in by_fd:
         poller.register(fd, events)
-    # poll takes milliseconds; round up so a short wait never becomes a busy poll of 0.
-    events_found = poller.poll(0.0 if timeout <= 0.0 else max(timeout * 1000.0, 1.0))
+    events_found = poller.poll(_poll_ms(timeout))
     if len(events_found) == 1:  # the usual case: one master's reply
         return [by_fd[events_found[0][0]]]
     return [by_fd[fd] for fd, _ in events_found]
+
+
+def _poll_ms(timeout: float) -> float:
+    """``timeout`` (s) as ``poll`` takes it, in ms, rounded up so that a short wait never
+    becomes a busy poll of 0."""
+    return 0.0 if timeout <= 0.0 else max(timeout * 1000.0, 1.0)
 
 
 class _Fd:
@@ -169,8 +174,7 @@ class Watcher:
         library patched it since): the caller waits as :func:`readable_fds` does."""
         if getattr(select, "poll", None) is not self._poll:
             return None
-        # poll takes milliseconds; round up so a short wait never becomes a busy poll of 0.
-        return bool(self._poller.poll(0.0 if timeout <= 0.0 else max(timeout * 1000.0, 1.0)))
+        return bool(self._poller.poll(_poll_ms(timeout)))
 
 
 def watcher(fd: int) -> Watcher | None:
