@@ -2,10 +2,10 @@
 
 :class:`MemoryRedlock` answers every operation the Celery layer and the operator calls
 use (acquire, extend, release, claim, unclaim, locked, fence, holder, owned_by,
-release_token, release_owned_by, force_delete) from a dictionary in this process, with
-the semantics of the Redis backend: TTLs on the monotonic clock, locks not re-entrant,
-claims held by one value, fence tokens that only increase. No Redis is needed, so eager
-tasks (``task_always_eager``) and in-process test workers run without masters.
+holder_state, release_token, release_owned_by, force_delete) from a dictionary in this
+process, with the semantics of the Redis backend: TTLs on the monotonic clock, locks not
+re-entrant, claims held by one value, fence tokens that only increase. No Redis is needed,
+so eager tasks (``task_always_eager``) and in-process test workers run without masters.
 
 It is not shared between processes: two ``celery worker`` processes (or two prefork pool
 children, each with its own copy) would each see their own locks and run the same key at
@@ -31,7 +31,7 @@ from .keys import validate_prefix
 from .lock import limits, process
 from .lock.lease import Lease
 from .lock.master import MasterStatus
-from .lock.redlock import CheckedNumbers, Redlock
+from .lock.redlock import CheckedNumbers, HolderState, Redlock
 
 __all__ = ["MemoryRedlock", "refuse_in_shared_process"]
 
@@ -245,6 +245,16 @@ class MemoryRedlock(Redlock):
         if lease is not None:
             lease._lose("its key was deleted by another process's release")
         return deleted
+
+    def holder_state(self, key: str, field: str, value: str) -> HolderState:
+        """:meth:`Redlock.holder_state`, in this process (one copy: never a mix)."""
+        name = self.lock_key(key)
+        with self._mutex:
+            if self._get(name) is None:
+                return "free"
+            if self._meta.get(f"{name}:meta", {}).get(field) == value:
+                return "matches"
+            return "other"
 
     def owned_by(self, key: str, field: str, value: str) -> bool:
         """:meth:`Redlock.owned_by`, in this process."""

@@ -53,6 +53,7 @@ from .identity import (
 )
 from .keys import STORAGE_FORMAT, compile_lock_key, redis_key
 from .lock import Lease
+from .lock.redlock import HolderState
 from .lock.summary import log_limited
 from .redact import guard, printable
 from .settings import (
@@ -226,16 +227,16 @@ def drop_held_duplicate(
             recent.clear()
         recent[key] = now
         return False
+    task_id = headers.get("id") or ""
     try:
-        held = redlock_for(task.app).locked(key)
+        holder = redlock_for(task.app).holder_state(key, "task_id", task_id)
     except Exception:  # noqa: BLE001 - masters unavailable: the run decides
         return False
     recent[key] = now
-    if not held:
+    if holder != "other":
+        # Free (the run takes it), or held by an earlier run of this very job (a
+        # redelivery: its run waits for that lock).
         return False
-    task_id = headers.get("id") or ""
-    if _own_earlier_run(task.app, key, task_id):
-        return False  # a redelivery of the job that holds the key: its run waits for it
     signals.lock_contended.send(
         sender=task, key=key, task_id=task_id, action="skip", countdown=None, attempt=0
     )
@@ -257,17 +258,19 @@ def _canvas_member(callbacks: Any, errbacks: Any, chain: Any, chord: Any, group:
     return bool(callbacks or errbacks or chord or group) or chain is not None
 
 
-def _own_earlier_run(app: Any, key: str, task_id: str) -> bool:
-    """True when the lock on ``key`` is held by an earlier run of job ``task_id`` itself
-    (its metadata names that task id on a quorum): a message redelivered after its
-    worker died mid-run (``acks_late``). False when unsure (the masters cannot say)."""
+def _holder(app: Any, key: str, task_id: str) -> HolderState:
+    """Who holds the lock on ``key``, against job ``task_id`` (:meth:`Redlock.holder_state`
+    by task id): ``"matches"`` for an earlier run of this job itself (a message redelivered
+    after its worker died mid-run, ``acks_late``); ``"free"`` when no other holder has it
+    (freed since the caller saw it held); ``"other"`` for anyone else, and when unsure (the
+    masters cannot say)."""
     if not task_id:
-        return False
+        return "other"
     try:
-        return redlock_for(app).owned_by(key, "task_id", task_id)
+        return redlock_for(app).holder_state(key, "task_id", task_id)
     except Exception:
         logger.warning("could not read the owner of %s", key, exc_info=True)
-        return False
+        return "other"
 
 
 def _header(request: Any, name: str) -> Any:
@@ -887,8 +890,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
     ) -> None:
-        if not request.is_eager and _own_earlier_run(self.app, key, request.id or ""):
-            self._wait_for_own_run(request, key, opts, exc, args, kwargs)
+        if not request.is_eager:
+            holder = _holder(self.app, key, request.id or "")
+            if holder != "other":
+                self._wait_for_own_run(request, key, opts, exc, args, kwargs, holder)
         attempt = int(_header(request, CONTENTION_HEADER) or 0)
         policy: str = opts.on_contention
         if _header(request, OCCURRENCE_HEADER):
@@ -966,22 +971,33 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         exc: LockContended,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
+        holder: HolderState,
     ) -> None:
-        """Reschedule a job whose own earlier run holds its key (that run's worker died).
+        """Reschedule a job whose key is held by its own earlier run (that run's worker
+        died), or was freed between its failed acquire and the read of its holder.
 
-        Whatever ``on_contention`` says: it is the same job, not a duplicate, so it is
-        neither skipped nor failed nor counted as contention. Its lock expires within
-        ``lock_ttl`` (nobody renews it), and then this job runs.
+        Whatever ``on_contention`` says: it is the same job, not a duplicate, or nobody
+        holds the key any more, so it is neither skipped nor failed nor counted as
+        contention. An earlier run's lock expires within ``lock_ttl`` (nobody renews it),
+        and then this job runs.
         """
         attempt = int(_header(request, OWN_RUN_HEADER) or 0)
         countdown = min(opts.contention_backoff.delay(attempt), opts.lock_ttl)
-        log = logger.warning if attempt == 0 else logger.debug  # one line per job, not per wait
+        if holder == "matches":
+            log = logger.warning if attempt == 0 else logger.debug  # one line per job
+            why = "is still held by an earlier run of this same job (its worker died?)"
+            what = "waits for that lock to expire"
+        else:
+            log = logger.info
+            why = "was freed between this run's acquire and the read of its holder"
+            what = "not counted as contention"
         log(
-            "%s[%s]: %s is still held by an earlier run of this same job (its worker died?);"
-            " waits for that lock to expire, rescheduled in %.2fs",
+            "%s[%s]: %s %s; %s, rescheduled in %.2fs",
             self.name,
             request.id,
             key,
+            why,
+            what,
             countdown,
         )
         self._keep_queued_marker(request, key, opts, countdown)
@@ -989,7 +1005,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1}, (key, opts)
         )
         raise Retry(
-            f"lock {printable(key)} held by an earlier run of this job", exc=exc, when=countdown
+            f"lock {printable(key)} held by an earlier run of this job"
+            if holder == "matches"
+            else f"lock {printable(key)} freed while contended",
+            exc=exc,
+            when=countdown,
         )
 
     def _on_unavailable(

@@ -11,7 +11,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from itertools import chain
-from typing import NamedTuple, cast
+from typing import Literal, NamedTuple, cast
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -26,6 +26,9 @@ from .wire import fragment as wire_fragment
 from .wire import pack
 
 __all__ = ["Redlock"]
+
+#: :meth:`Redlock.holder_state`'s answers.
+HolderState = Literal["matches", "free", "other"]
 
 logger = guard(logging.getLogger("celery_redlock.lock"))  # see celery_redlock.redact
 
@@ -950,6 +953,57 @@ class Redlock:
         command = pack(("HGET", self._keys(key)[1], field))
         return self._read_vote(key, lambda got: got == want, command)
 
+    def holder_state(self, key: str, field: str, value: str) -> HolderState:
+        """Who holds the lock on ``key``, told against one holder: the one whose metadata
+        says ``field == value`` (a redelivered job's earlier run, by task id). One read
+        (``GET`` of the lock and ``HGET`` of its metadata, pipelined, on every master).
+
+        * ``"matches"``: that holder has the lock on a quorum;
+        * ``"free"``: no other holder has it on a quorum, nor can: a quorum of masters
+          have no lock on ``key``, or that holder's (it expired or was released on
+          enough of them since, e.g. between a failed acquire and this read);
+        * ``"other"``: another holder (or one without that field) has it on more masters
+          than the first two answers could still leave.
+
+        Masters kept out after a restart are not counted. Raises
+        :class:`QuorumUnavailable` when too few masters answer to decide.
+        """
+        lock_key, meta_key, _ = self._keys(key)
+        payload = (pack(("GET", lock_key), ("HGET", meta_key, field)), 2)
+        want = value.encode()
+        n, q = len(self.masters), self.quorum
+        quarantined = self._quarantined(self._clock())
+
+        def count(r: RoundResult) -> tuple[int, int, int]:
+            same = free = other = 0
+            for i, replies in enumerate(r.replies):
+                if replies is None or i in quarantined:
+                    continue
+                if replies[0] is None:
+                    free += 1
+                elif replies[1] == want:
+                    same += 1
+                else:
+                    other += 1
+            return same, free, other
+
+        def decided(r: RoundResult) -> bool:
+            return _holder_verdict(*count(r), n, q, final=False) is not None
+
+        with self._lane() as lane:
+            result = self._round(lane, [payload] * n, decided, valid=_get_replies)
+        same, free, other = count(result)
+        verdict = _holder_verdict(same, free, other, n, q)
+        if verdict is not None:
+            return verdict
+        raise QuorumUnavailable(
+            f"only {same + free + other} of {n} masters answered the read of {key!r}'s "
+            f"holder, {q} needed",
+            key,
+            self.master_names,
+            self._errors(result, dict.fromkeys(quarantined, "kept out after a restart")),
+        )
+
     def _owned(self, lease: Lease) -> bool:
         token = lease.token.encode()
         return self._read_vote(lease.key, lambda value: value == token)
@@ -1863,6 +1917,22 @@ def _tally(
             elif answer is False and (excluded_noes or i not in excluded):
                 noes += 1
     return ayes, noes
+
+
+def _holder_verdict(
+    same: int, free: int, other: int, n: int, q: int, *, final: bool = True
+) -> HolderState | None:
+    """:meth:`Redlock.holder_state` from the masters counted (``same``: the lock is the
+    matching holder's; ``free``: no lock; ``other``: anyone else's); None when it cannot
+    be told. Before the round ends (not ``final``), None also while the masters still to
+    answer could turn a ``"free"`` into ``"matches"``."""
+    if same >= q:
+        return "matches"
+    if other > n - q:
+        return "other"  # the matching holder and the free masters can no longer reach q
+    if same + free >= q and (final or n - free - other < q):
+        return "free"
+    return None
 
 
 def _extended(reply: object) -> bool | None:

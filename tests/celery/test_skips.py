@@ -15,6 +15,7 @@ from celery import chain, chord, group
 from celery.result import AsyncResult
 
 from celery_redlock import ImproperlyConfigured, LockContended, Redlock, SingletonTask
+from celery_redlock.keys import redis_key
 from celery_redlock.settings import get_settings
 from celery_redlock.task import OCCURRENCE_HEADER
 from celery_redlock.testing import wait_for
@@ -126,3 +127,46 @@ def test_a_canvas_member_that_meets_the_lock_waits_and_its_canvas_completes(
         holder.release()
     actions = {c["action"] for c in signal_log.of("lock_contended", key="sync:1")}
     assert actions == {"retry"}
+
+
+def test_a_redelivery_whose_dead_runs_lock_expires_as_its_holder_is_read_runs(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by CI (the killed-worker chaos test): a job redelivered after its worker died
+    failed its acquire on the dead run's lock, which then expired on two masters before
+    the read of its holder. That read found the job's own task id on one master only: not
+    its own run, so contention, and ``on_contention="skip"`` dropped the job for good. The
+    lock is free by then: the job is rescheduled (not counted, no signal) and runs."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="sync:{n}", on_contention="skip")
+    def sync(self: Any, n: int) -> int:
+        return n
+
+    task_id = uuid.uuid4().hex
+    outside = Redlock(env.masters.urls)
+    dead = outside.acquire("sync:1", ttl=30, meta={"task_id": task_id})
+    acquire = Redlock.acquire
+    expired: list[str] = []
+
+    def acquire_then_expire(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return acquire(self, key, *args, **kwargs)
+        except LockContended:
+            if not expired:  # the dead run's lock expires on two masters right then
+                for server in env.masters[:2]:
+                    with server.client() as conn:
+                        conn.delete(redis_key("redlock", key), redis_key("redlock", key, "meta"))
+                expired.append(key)
+            raise
+
+    monkeypatch.setattr(Redlock, "acquire", acquire_then_expire)
+    try:
+        with run_worker(app):
+            job = sync.apply_async((1,), task_id=task_id)
+            assert job.get(timeout=20) == 1
+    finally:
+        dead.release()
+        outside.close()
+    assert expired == ["sync:1"]
+    assert signal_log.of("lock_contended") == []

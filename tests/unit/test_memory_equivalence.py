@@ -2,7 +2,7 @@
 
 A Hypothesis state machine runs the same operations the Celery layer and the operator
 calls use (acquire, release, extend, owned, locked, claim, claimed, unclaim,
-release_owned_by, fence, holder, owned_by, release_token, force_delete) on a
+release_owned_by, fence, holder, owned_by, holder_state, release_token, force_delete) on a
 :class:`MemoryRedlock` and on a :class:`Redlock` over three real masters, and asserts the
 same answer from both after every step. TTLs are long here (nothing expires during a run);
 expiry on the monotonic clock is checked with an injected clock in
@@ -150,6 +150,12 @@ class SameAnswers(RuleBasedStateMachine):
     def owned_by(self, key: str, task_id: str) -> None:
         assert self.real.owned_by(key, "task_id", task_id) == (
             self.memory.owned_by(key, "task_id", task_id)
+        )
+
+    @rule(key=KEYS, task_id=VALUES)
+    def holder_state(self, key: str, task_id: str) -> None:
+        assert self.real.holder_state(key, "task_id", task_id) == (
+            self.memory.holder_state(key, "task_id", task_id)
         )
 
     @rule(pair=consumes(leases))
