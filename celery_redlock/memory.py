@@ -247,7 +247,8 @@ class MemoryRedlock(Redlock):
         return deleted
 
     def holder_state(self, key: str, field: str, value: str) -> HolderState:
-        """:meth:`Redlock.holder_state`, in this process (one copy: never a mix)."""
+        """:meth:`Redlock.holder_state`, in this process (one copy: never a mix, so
+        ``"matches"`` only while that holder's lock stands)."""
         name = self.lock_key(key)
         with self._mutex:
             if self._get(name) is None:

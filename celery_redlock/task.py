@@ -647,25 +647,28 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             "acquired_at": f"{time.time():.3f}",  # noqa: TID251 - shown to operators
             "format": STORAGE_FORMAT,
         }
-        try:
-            lease = redlock.acquire(
-                key,
-                opts.lock_ttl,
-                auto_renew=True,
-                # Left to the lease when not configured: its default (a third of the TTL)
-                # follows the TTL if the body extends the lease to another one.
-                renew_every=opts.renew_every if opts.renew_every_set else None,
-                meta=meta,
-                clear_companion=(
-                    (self.dedupe_suffix(), task_id) if opts.dedupe == "queued" else None
-                ),
-            )
-        except LockContended as exc:
-            self._on_contended(request, key, opts, exc, args, kwargs)
-            raise  # pragma: no cover - _on_contended always raises
-        except QuorumUnavailable as exc:
-            self._on_unavailable(request, key, opts, exc, args, kwargs)
-            raise  # pragma: no cover
+        for again in (True, False):  # again: once more at once if the key was freed
+            try:
+                lease = redlock.acquire(
+                    key,
+                    opts.lock_ttl,
+                    auto_renew=True,
+                    # Left to the lease when not configured: its default (a third of the
+                    # TTL) follows the TTL if the body extends the lease to another one.
+                    renew_every=opts.renew_every if opts.renew_every_set else None,
+                    meta=meta,
+                    clear_companion=(
+                        (self.dedupe_suffix(), task_id) if opts.dedupe == "queued" else None
+                    ),
+                )
+                break
+            except LockContended as exc:
+                self._on_contended(request, key, opts, exc, args, kwargs, again)
+            except QuorumUnavailable as exc:
+                self._on_unavailable(request, key, opts, exc, args, kwargs)
+                raise  # pragma: no cover
+        else:  # pragma: no cover - the second _on_contended raises
+            raise AssertionError("acquire neither succeeded nor raised")
         try:
             if opts.dedupe == "active":
                 lease.clear_on_release = (self.dedupe_suffix(), task_id)
@@ -889,11 +892,23 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         exc: LockContended,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
+        again: bool = False,
     ) -> None:
+        """Decide what a run whose acquire met ``exc`` does; it always raises, but for
+        returning (only with ``again``) when nobody holds the key any more: the run then
+        tries once more at once, as a run coming a moment later would."""
         if not request.is_eager:
             holder = _holder(self.app, key, request.id or "")
-            if holder != "other":
-                self._wait_for_own_run(request, key, opts, exc, args, kwargs, holder)
+            if holder == "matches":
+                self._wait_for_own_run(request, key, opts, exc, args, kwargs)
+            if holder == "free" and again:
+                logger.debug(
+                    "%s[%s]: %s was freed since its acquire failed; trying once more",
+                    self.name,
+                    request.id,
+                    key,
+                )
+                return
         attempt = int(_header(request, CONTENTION_HEADER) or 0)
         policy: str = opts.on_contention
         if _header(request, OCCURRENCE_HEADER):
@@ -971,33 +986,22 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         exc: LockContended,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        holder: HolderState,
     ) -> None:
-        """Reschedule a job whose key is held by its own earlier run (that run's worker
-        died), or was freed between its failed acquire and the read of its holder.
+        """Reschedule a job whose own earlier run holds its key (that run's worker died).
 
-        Whatever ``on_contention`` says: it is the same job, not a duplicate, or nobody
-        holds the key any more, so it is neither skipped nor failed nor counted as
-        contention. An earlier run's lock expires within ``lock_ttl`` (nobody renews it),
-        and then this job runs.
+        Whatever ``on_contention`` says: it is the same job, not a duplicate, so it is
+        neither skipped nor failed nor counted as contention. Its lock expires within
+        ``lock_ttl`` (nobody renews it), and then this job runs.
         """
         attempt = int(_header(request, OWN_RUN_HEADER) or 0)
         countdown = min(opts.contention_backoff.delay(attempt), opts.lock_ttl)
-        if holder == "matches":
-            log = logger.warning if attempt == 0 else logger.debug  # one line per job
-            why = "is still held by an earlier run of this same job (its worker died?)"
-            what = "waits for that lock to expire"
-        else:
-            log = logger.info
-            why = "was freed between this run's acquire and the read of its holder"
-            what = "not counted as contention"
+        log = logger.warning if attempt == 0 else logger.debug  # one line per job, not per wait
         log(
-            "%s[%s]: %s %s; %s, rescheduled in %.2fs",
+            "%s[%s]: %s is still held by an earlier run of this same job (its worker died?);"
+            " waits for that lock to expire, rescheduled in %.2fs",
             self.name,
             request.id,
             key,
-            why,
-            what,
             countdown,
         )
         self._keep_queued_marker(request, key, opts, countdown)
@@ -1005,11 +1009,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             request, args, kwargs, countdown, {OWN_RUN_HEADER: attempt + 1}, (key, opts)
         )
         raise Retry(
-            f"lock {printable(key)} held by an earlier run of this job"
-            if holder == "matches"
-            else f"lock {printable(key)} freed while contended",
-            exc=exc,
-            when=countdown,
+            f"lock {printable(key)} held by an earlier run of this job", exc=exc, when=countdown
         )
 
     def _on_unavailable(

@@ -958,10 +958,13 @@ class Redlock:
         says ``field == value`` (a redelivered job's earlier run, by task id). One read
         (``GET`` of the lock and ``HGET`` of its metadata, pipelined, on every master).
 
-        * ``"matches"``: that holder has the lock on a quorum;
-        * ``"free"``: no other holder has it on a quorum, nor can: a quorum of masters
-          have no lock on ``key``, or that holder's (it expired or was released on
-          enough of them since, e.g. between a failed acquire and this read);
+        * ``"matches"``: that holder has the lock on at least one master, and with the
+          masters where no lock stands those make a quorum: the lock is that holder's
+          on a quorum, or was, and has expired or been released on some of them since
+          (a redelivered job's dead run whose lock is expiring); no other holder has
+          it on a quorum;
+        * ``"free"``: no lock on a quorum and that holder's nowhere (released or
+          expired since the caller saw it held);
         * ``"other"``: another holder (or one without that field) has it on more masters
           than the first two answers could still leave.
 
@@ -1926,11 +1929,11 @@ def _holder_verdict(
     matching holder's; ``free``: no lock; ``other``: anyone else's); None when it cannot
     be told. Before the round ends (not ``final``), None also while the masters still to
     answer could turn a ``"free"`` into ``"matches"``."""
-    if same >= q:
+    if same and same + free >= q:
         return "matches"
     if other > n - q:
         return "other"  # the matching holder and the free masters can no longer reach q
-    if same + free >= q and (final or n - free - other < q):
+    if not same and free >= q and (final or free + other == n):
         return "free"
     return None
 

@@ -8,6 +8,7 @@ group member) is never skipped: it waits for the key, so its canvas completes.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from celery.result import AsyncResult
 from celery_redlock import ImproperlyConfigured, LockContended, Redlock, SingletonTask
 from celery_redlock.keys import redis_key
 from celery_redlock.settings import get_settings
-from celery_redlock.task import OCCURRENCE_HEADER
+from celery_redlock.task import CONTENTION_HEADER, OCCURRENCE_HEADER, OWN_RUN_HEADER, _header
 from celery_redlock.testing import wait_for
 
 from .redlock_testkit import CeleryEnv, SignalLog, run_worker
@@ -129,14 +130,20 @@ def test_a_canvas_member_that_meets_the_lock_waits_and_its_canvas_completes(
     assert actions == {"retry"}
 
 
+@pytest.mark.parametrize("occurrence", [False, True], ids=["skip", "beat-occurrence"])
 def test_a_redelivery_whose_dead_runs_lock_expires_as_its_holder_is_read_runs(
-    env: CeleryEnv, make_app: Any, signal_log: SignalLog, monkeypatch: pytest.MonkeyPatch
+    env: CeleryEnv,
+    make_app: Any,
+    signal_log: SignalLog,
+    monkeypatch: pytest.MonkeyPatch,
+    occurrence: bool,
 ) -> None:
     """Found by CI (the killed-worker chaos test): a job redelivered after its worker died
     failed its acquire on the dead run's lock, which then expired on two masters before
     the read of its holder. That read found the job's own task id on one master only: not
-    its own run, so contention, and ``on_contention="skip"`` dropped the job for good. The
-    lock is free by then: the job is rescheduled (not counted, no signal) and runs."""
+    its own run, so contention, and ``on_contention="skip"`` dropped the job for good (a
+    beat occurrence too). It is its own run's lock, expiring: the job is rescheduled (not
+    counted, no signal) and runs."""
     app = make_app()
 
     @app.task(bind=True, base=SingletonTask, lock_key="sync:{n}", on_contention="skip")
@@ -163,10 +170,120 @@ def test_a_redelivery_whose_dead_runs_lock_expires_as_its_holder_is_read_runs(
     monkeypatch.setattr(Redlock, "acquire", acquire_then_expire)
     try:
         with run_worker(app):
-            job = sync.apply_async((1,), task_id=task_id)
+            headers = {OCCURRENCE_HEADER: f"sync#{uuid.uuid4().hex}"} if occurrence else None
+            job = sync.apply_async((1,), task_id=task_id, headers=headers)
             assert job.get(timeout=20) == 1
     finally:
         dead.release()
         outside.close()
     assert expired == ["sync:1"]
     assert signal_log.of("lock_contended") == []
+
+
+def _release_after_first_contention(
+    monkeypatch: pytest.MonkeyPatch, holder: Any, then: Callable[[], None] = lambda: None
+) -> list[str]:
+    """The outside ``holder`` of a key ends right after a worker's acquire of that key
+    fails (its body ends in that moment), once; then ``then()`` runs. Returns the keys."""
+    acquire = Redlock.acquire
+    released: list[str] = []
+
+    def acquire_then_release(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return acquire(self, key, *args, **kwargs)
+        except LockContended:
+            if not released and key == holder.key:
+                holder.release()
+                released.append(key)
+                then()
+            raise
+
+    monkeypatch.setattr(Redlock, "acquire", acquire_then_release)
+    return released
+
+
+@pytest.mark.parametrize("occurrence", [False, True], ids=["raise", "beat-occurrence"])
+def test_a_key_freed_as_its_holder_is_read_is_tried_once_more_at_once(
+    env: CeleryEnv,
+    make_app: Any,
+    signal_log: SignalLog,
+    monkeypatch: pytest.MonkeyPatch,
+    occurrence: bool,
+) -> None:
+    """A job whose acquire fails on a run that ends in the next moment, before the read of
+    the key's holder: nobody holds the key any more, so the job tries once more at once
+    and runs in its first delivery, as if it had come a moment later. Before, it was
+    contended (``"raise"`` failed it; a beat occurrence was skipped), and in between (the
+    first fix of the CI finding, found by review) it was rescheduled without counting,
+    and a beat occurrence ran late."""
+    app = make_app()
+    ran: list[tuple[int, Any, Any]] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="tick:{n}", on_contention="raise")
+    def tick(self: Any, n: int) -> int:
+        request = self.request
+        ran.append(
+            (request.retries, _header(request, OWN_RUN_HEADER), _header(request, CONTENTION_HEADER))
+        )
+        return n
+
+    outside = Redlock(env.masters.urls)
+    previous = outside.acquire("tick:1", ttl=30, meta={"task_id": "the-previous-run"})
+    released = _release_after_first_contention(monkeypatch, previous)
+    headers = {OCCURRENCE_HEADER: f"tick#{uuid.uuid4().hex}"} if occurrence else None
+    try:
+        with run_worker(app):
+            job = tick.apply_async((1,), headers=headers)
+            assert job.get(timeout=20) == 1
+    finally:
+        outside.close()
+    assert released == ["tick:1"]
+    assert ran == [(0, None, None)]  # once, in its first delivery: never rescheduled
+    assert signal_log.of("lock_contended") == []
+
+
+def test_contention_stays_counted_when_the_key_changes_hands_in_that_moment(
+    env: CeleryEnv, make_app: Any, signal_log: SignalLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of the first fix: a job that met another run's lock, which then ended
+    while the next run of the key took it, was rescheduled without counting; on a hot key
+    whose runs keep handing it over, ``on_contention="raise"`` never raised (nor did
+    ``max_contention_retries`` give up): here it ran once the hand-overs stopped. Its one
+    more try meets the new holder, and the second miss is contention, as the policy says."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="hot:{n}", on_contention="raise")
+    def hot(self: Any, n: int) -> int:
+        return n
+
+    outside = Redlock(env.masters.urls)
+    holders = [outside.acquire("hot:1", ttl=30, meta={"task_id": "run-0"})]
+    acquire, read = Redlock.acquire, Redlock.holder_state
+
+    def acquire_then_release(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return acquire(self, key, *args, **kwargs)
+        except LockContended:
+            if self is not outside:
+                holders[-1].release()  # the run holding the key ends right then
+            raise
+
+    def read_then_take(self: Redlock, key: str, field: str, value: str) -> Any:
+        state = read(self, key, field, value)
+        if self is not outside and len(holders) < 6:  # and the next run takes the key
+            holders.append(outside.acquire(key, ttl=30, meta={"task_id": f"run-{len(holders)}"}))
+        return state
+
+    monkeypatch.setattr(Redlock, "acquire", acquire_then_release)
+    monkeypatch.setattr(Redlock, "holder_state", read_then_take)
+    try:
+        with run_worker(app):
+            job = hot.delay(1)
+            with pytest.raises(LockContended):
+                job.get(timeout=20)
+    finally:
+        for lease in holders:
+            lease.release()
+        outside.close()
+    assert len(holders) == 3  # two misses: the first, and the one more try
+    assert [s["action"] for s in signal_log.of("lock_contended")] == ["raise"]
