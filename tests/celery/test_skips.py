@@ -153,21 +153,13 @@ def test_a_redelivery_whose_dead_runs_lock_expires_as_its_holder_is_read_runs(
     task_id = uuid.uuid4().hex
     outside = Redlock(env.masters.urls)
     dead = outside.acquire("sync:1", ttl=30, meta={"task_id": task_id})
-    acquire = Redlock.acquire
-    expired: list[str] = []
 
-    def acquire_then_expire(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return acquire(self, key, *args, **kwargs)
-        except LockContended:
-            if not expired:  # the dead run's lock expires on two masters right then
-                for server in env.masters[:2]:
-                    with server.client() as conn:
-                        conn.delete(redis_key("redlock", key), redis_key("redlock", key, "meta"))
-                expired.append(key)
-            raise
+    def expire_on_two() -> None:  # the dead run's lock expires on two masters right then
+        for server in env.masters[:2]:
+            with server.client() as conn:
+                conn.delete(redis_key("redlock", "sync:1"), redis_key("redlock", "sync:1", "meta"))
 
-    monkeypatch.setattr(Redlock, "acquire", acquire_then_expire)
+    expired = _after_first_contention(monkeypatch, "sync:1", expire_on_two)
     try:
         with run_worker(app):
             headers = {OCCURRENCE_HEADER: f"sync#{uuid.uuid4().hex}"} if occurrence else None
@@ -180,26 +172,25 @@ def test_a_redelivery_whose_dead_runs_lock_expires_as_its_holder_is_read_runs(
     assert signal_log.of("lock_contended") == []
 
 
-def _release_after_first_contention(
-    monkeypatch: pytest.MonkeyPatch, holder: Any, then: Callable[[], None] = lambda: None
+def _after_first_contention(
+    monkeypatch: pytest.MonkeyPatch, key: str, happen: Callable[[], None]
 ) -> list[str]:
-    """The outside ``holder`` of a key ends right after a worker's acquire of that key
-    fails (its body ends in that moment), once; then ``then()`` runs. Returns the keys."""
+    """``happen()`` right after the first failed acquire of ``key`` (as the acquire
+    returns, before the read of the key's holder); returns ``[key]`` once it has."""
     acquire = Redlock.acquire
-    released: list[str] = []
+    done: list[str] = []
 
-    def acquire_then_release(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+    def acquire_then(self: Redlock, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return acquire(self, key, *args, **kwargs)
+            return acquire(self, name, *args, **kwargs)
         except LockContended:
-            if not released and key == holder.key:
-                holder.release()
-                released.append(key)
-                then()
+            if not done and name == key:
+                happen()
+                done.append(name)
             raise
 
-    monkeypatch.setattr(Redlock, "acquire", acquire_then_release)
-    return released
+    monkeypatch.setattr(Redlock, "acquire", acquire_then)
+    return done
 
 
 @pytest.mark.parametrize("occurrence", [False, True], ids=["raise", "beat-occurrence"])
@@ -229,7 +220,7 @@ def test_a_key_freed_as_its_holder_is_read_is_tried_once_more_at_once(
 
     outside = Redlock(env.masters.urls)
     previous = outside.acquire("tick:1", ttl=30, meta={"task_id": "the-previous-run"})
-    released = _release_after_first_contention(monkeypatch, previous)
+    released = _after_first_contention(monkeypatch, "tick:1", previous.release)
     headers = {OCCURRENCE_HEADER: f"tick#{uuid.uuid4().hex}"} if occurrence else None
     try:
         with run_worker(app):
