@@ -665,7 +665,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             except LockContended as exc:
                 self._on_contended(request, key, opts, exc, args, kwargs, again)
             except QuorumUnavailable as exc:
-                self._on_unavailable(request, key, opts, exc, args, kwargs)
+                # After a contended first try, whose failure deleted the "queued" marker
+                # where it was granted: this one may have deleted it on other masters.
+                self._on_unavailable(request, key, opts, exc, args, kwargs, not again)
                 raise  # pragma: no cover
         else:  # pragma: no cover - the second _on_contended raises
             raise AssertionError("acquire neither succeeded nor raised")
@@ -1020,7 +1022,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         exc: QuorumUnavailable,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
+        keep_marker: bool = False,
     ) -> None:
+        """Reschedule a run that could not reach a quorum. Its marker is left as it is
+        (the masters it needs are the ones not answering) unless ``keep_marker``: two
+        failed tries may each have deleted it on a different minority."""
         if request.is_eager:
             raise exc
         attempt = int(_header(request, OUTAGE_HEADER) or 0)
@@ -1039,6 +1045,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         signals.lock_unavailable.send(
             sender=self, key=key, task_id=request.id, countdown=countdown, errors=exc.errors
         )
+        if keep_marker:
+            self._keep_queued_marker(request, key, opts, countdown)
         self._republish(request, args, kwargs, countdown, {OUTAGE_HEADER: attempt + 1}, (key, opts))
         raise Retry(f"lock service unavailable for {printable(key)}", exc=exc, when=countdown)
 

@@ -3,6 +3,10 @@
 A skip stores a ready result by default (``skip_result="failure"``: ``.get()`` raises
 LockContended at once) and IGNORED on request; a canvas member (chord header, chain step,
 group member) is never skipped: it waits for the key, so its canvas completes.
+
+And what a run does when the key changes between its failed acquire and the read of the
+key's holder (its own dead run's lock expiring, the holder ending, the next one taking
+it), each race hit on purpose by wrapping ``Redlock.acquire`` or ``holder_state``.
 """
 
 from __future__ import annotations
@@ -278,3 +282,52 @@ def test_contention_stays_counted_when_the_key_changes_hands_in_that_moment(
         outside.close()
     assert len(holders) == 3  # two misses: the first, and the one more try
     assert [s["action"] for s in signal_log.of("lock_contended")] == ["raise"]
+
+
+def test_an_outage_on_the_one_more_try_keeps_the_queued_marker(
+    env: CeleryEnv, make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second review of the CI fix: the first try (contended) cleared the job's "queued"
+    marker on the master that granted it, the key was freed, and the one more try met an
+    outage (two masters refusing writes for that moment) after clearing the marker on the
+    third: the outage reschedule left the marker on one master of three, and an identical
+    publish became a second job while the first still waited in the queue."""
+    app = make_app(redlock_outage_backoff=(60, 60))  # the job stays queued meanwhile
+
+    @app.task(bind=True, base=SingletonTask, lock_key="k:{n}")  # dedupe="queued"
+    def job(self: Any, n: int) -> int:
+        return n
+
+    outside = Redlock(env.masters.urls)
+    holder = outside.acquire("k:1", ttl=30, meta={"task_id": "run-B"})
+    with env.masters[0].client() as conn:  # B's lock already gone on the first master
+        conn.delete(redis_key("redlock", "k:1"), redis_key("redlock", "k:1", "meta"))
+    _after_first_contention(monkeypatch, "k:1", holder.release)
+    acquire = Redlock.acquire
+    tries: list[str] = []
+
+    def acquire_with_an_outage(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+        if self is outside:
+            return acquire(self, key, *args, **kwargs)
+        tries.append(key)
+        if len(tries) != 2:
+            return acquire(self, key, *args, **kwargs)
+        for server in env.masters[:2]:  # the one more try: two masters refuse writes
+            with server.client() as conn:
+                conn.config_set("maxmemory", "1")
+        try:
+            return acquire(self, key, *args, **kwargs)
+        finally:
+            for server in env.masters[:2]:
+                with server.client() as conn:
+                    conn.config_set("maxmemory", "0")
+
+    first = job.delay(1)
+    monkeypatch.setattr(Redlock, "acquire", acquire_with_an_outage)
+    try:
+        with run_worker(app):
+            wait_for(lambda: first.state == "RETRY", timeout=15, message="outage reschedule")
+            assert tries == ["k:1", "k:1"]
+            assert job.delay(1).id == first.id  # still the queued job of its key
+    finally:
+        outside.close()
