@@ -259,12 +259,7 @@ class MemoryRedlock(Redlock):
 
     def owned_by(self, key: str, field: str, value: str) -> bool:
         """:meth:`Redlock.owned_by`, in this process."""
-        name = self.lock_key(key)
-        with self._mutex:
-            return (
-                self._get(name) is not None
-                and self._meta.get(f"{name}:meta", {}).get(field) == value
-            )
+        return self.holder_state(key, field, value) == "matches"
 
     def force_delete(self, names: Iterable[str]) -> list[str]:
         """:meth:`Redlock.force_delete`, in this process: the names that existed (a lock's

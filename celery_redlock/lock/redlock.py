@@ -11,7 +11,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from itertools import chain
-from typing import Literal, NamedTuple, cast
+from typing import Literal, NamedTuple, TypeVar, cast
 
 from ..backoff import full_jitter
 from ..exceptions import ImproperlyConfigured, LockContended, LockLost, QuorumUnavailable
@@ -26,6 +26,8 @@ from .wire import fragment as wire_fragment
 from .wire import pack
 
 __all__ = ["Redlock"]
+
+_R = TypeVar("_R")
 
 #: :meth:`Redlock.holder_state`'s answers.
 HolderState = Literal["matches", "free", "other"]
@@ -975,9 +977,8 @@ class Redlock:
         payload = (pack(("GET", lock_key), ("HGET", meta_key, field)), 2)
         want = value.encode()
         n, q = len(self.masters), self.quorum
-        quarantined = self._quarantined(self._clock())
 
-        def count(r: RoundResult) -> tuple[int, int, int]:
+        def judge(r: RoundResult, quarantined: Set[int], final: bool) -> HolderState | None:
             same = free = other = 0
             for i, replies in enumerate(r.replies):
                 if replies is None or i in quarantined:
@@ -988,24 +989,9 @@ class Redlock:
                     same += 1
                 else:
                     other += 1
-            return same, free, other
+            return _holder_verdict(same, free, other, n, q, final=final)
 
-        def decided(r: RoundResult) -> bool:
-            return _holder_verdict(*count(r), n, q, final=False) is not None
-
-        with self._lane() as lane:
-            result = self._round(lane, [payload] * n, decided, valid=_get_replies)
-        same, free, other = count(result)
-        verdict = _holder_verdict(same, free, other, n, q)
-        if verdict is not None:
-            return verdict
-        raise QuorumUnavailable(
-            f"only {same + free + other} of {n} masters answered the read of {key!r}'s "
-            f"holder, {q} needed",
-            key,
-            self.master_names,
-            self._errors(result, dict.fromkeys(quarantined, "kept out after a restart")),
-        )
+        return self._read(key, payload, judge, f"{key!r}'s holder")
 
     def _owned(self, lease: Lease) -> bool:
         token = lease.token.encode()
@@ -1018,25 +1004,45 @@ class Redlock:
         False when it fails on more than ``n - quorum``; masters kept out after a
         restart are not counted. Raises :class:`QuorumUnavailable` otherwise.
         ``command`` (one read whose reply is a string or nil) replaces ``GET`` of the lock."""
-        lock_key = self._keys(key)[0]
-        payload = (command or pack(("GET", lock_key)), 1)
+        payload = (command or pack(("GET", self._keys(key)[0])), 1)
         n, q = len(self.masters), self.quorum
+
+        def judge(r: RoundResult, quarantined: Set[int], final: bool) -> bool | None:
+            ayes, noes = _tally(r, lambda x: bool(yes(x)), quarantined, excluded_noes=False)
+            return True if ayes >= q else False if noes > n - q else None
+
+        return self._read(key, payload, judge, repr(key))
+
+    def _read(
+        self,
+        key: str,
+        payload: tuple[bytes, int],
+        judge: Callable[[RoundResult, Set[int], bool], _R | None],
+        what: str,
+    ) -> _R:
+        """One read (``payload``) on every master, answered by ``judge(result,
+        quarantined, final)``: the round stops once it answers before the end (not
+        ``final``), and its answer at the end is returned. Raises
+        :class:`QuorumUnavailable` when it cannot answer; masters kept out after a
+        restart (``quarantined``) are not counted as answering."""
+        n = len(self.masters)
         quarantined = self._quarantined(self._clock())
 
-        def count(r: RoundResult) -> tuple[int, int]:
-            return _tally(r, lambda x: bool(yes(x)), quarantined, excluded_noes=False)
-
         def decided(r: RoundResult) -> bool:
-            ayes, noes = count(r)
-            return ayes >= q or noes > n - q
+            return judge(r, quarantined, False) is not None
 
         with self._lane() as lane:
             result = self._round(lane, [payload] * n, decided, valid=_get_replies)
-        ayes, noes = count(result)
-        if ayes >= q or noes > n - q:
-            return ayes >= q
+        answer = judge(result, quarantined, True)
+        if answer is not None:
+            return answer
+        answered = sum(
+            1
+            for i, replies in enumerate(result.replies)
+            if replies is not None and i not in quarantined
+        )
         raise QuorumUnavailable(
-            f"only {ayes + noes} of {n} masters answered the read of {key!r}, {q} needed",
+            f"only {answered} of {n} masters answered the read of {what}, {self.quorum} needed",
             key,
             self.master_names,
             self._errors(result, dict.fromkeys(quarantined, "kept out after a restart")),
