@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from celery import Task, states
 from celery.app.task import Context
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 from celery.utils import uuid
 
 from . import signals
@@ -268,6 +268,8 @@ def _holder(app: Any, key: str, task_id: str) -> HolderState:
         return "other"
     try:
         return redlock_for(app).holder_state(key, "task_id", task_id)
+    except SoftTimeLimitExceeded:
+        raise  # the job's time is up: not an answer about the key (see _on_contended)
     except Exception:
         logger.warning("could not read the owner of %s", key, exc_info=True)
         return "other"
@@ -669,6 +671,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 # where it was granted: this one may have deleted it on other masters.
                 self._on_unavailable(request, key, opts, exc, args, kwargs, not again)
                 raise  # pragma: no cover
+            except SoftTimeLimitExceeded:
+                # The job fails here, before its body (the acquire undid what it took):
+                # no marker may name it, or identical publishes would return it.
+                self._drop_dedupe_marker(key, opts, task_id, "its soft time limit")
+                raise
         else:  # pragma: no cover - the second _on_contended raises
             raise AssertionError("acquire neither succeeded nor raised")
         try:
@@ -900,7 +907,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         returning (only with ``again``) when nobody holds the key any more: the run then
         tries once more at once, as a run coming a moment later would."""
         if not request.is_eager:
-            holder = _holder(self.app, key, request.id or "")
+            try:
+                holder = _holder(self.app, key, request.id or "")
+            except SoftTimeLimitExceeded:
+                # Its time ran out while the holder was read: it fails as any job does
+                # at its soft time limit, not as a skipped or contended one (before,
+                # the read's failure read as "another holder": with "skip" the job was
+                # reported skipped). A job that ends leaves no marker naming it.
+                self._drop_dedupe_marker(key, opts, request.id, "its soft time limit")
+                raise
             if holder == "matches":
                 self._wait_for_own_run(request, key, opts, exc, args, kwargs)
             if holder == "free" and again:

@@ -331,3 +331,60 @@ def test_an_outage_on_the_one_more_try_keeps_the_queued_marker(
             assert job.delay(1).id == first.id  # still the queued job of its key
     finally:
         outside.close()
+
+
+@pytest.mark.parametrize("where", ["holder-read", "acquire"])
+def test_a_soft_time_limit_before_the_body_fails_the_job_and_leaves_no_marker(
+    env: CeleryEnv,
+    make_app: Any,
+    signal_log: SignalLog,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """A soft time limit (``SoftTimeLimitExceeded``, raised by a signal wherever the run
+    is) landing before the body: the job fails with it, as any job at its soft limit.
+    Before, landing in the read of the key's holder it read as "another holder", so with
+    ``skip`` the job was reported skipped (``LockContended``, ``lock_contended``); landing
+    in the acquire it failed but its "queued" marker stood, so identical publishes
+    returned the failed job until ``redlock_dedupe_ttl``."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="soft:{n}", on_contention="skip")
+    def soft(self: Any, n: int) -> int:
+        return n
+
+    outside = Redlock(env.masters.urls)
+    holder = outside.acquire("soft:1", ttl=30, meta={"task_id": "another-run"})
+    acquire, read = Redlock.acquire, Redlock.holder_state
+    landed: list[str] = []
+
+    def acquire_in_time(self: Redlock, key: str, *args: Any, **kwargs: Any) -> Any:
+        if self is not outside and where == "acquire" and not landed:
+            landed.append(key)
+            raise SoftTimeLimitExceeded()
+        return acquire(self, key, *args, **kwargs)
+
+    def read_in_time(self: Redlock, key: str, field: str, value: str) -> Any:
+        if self is not outside and where == "holder-read" and not landed:
+            landed.append(key)
+            raise SoftTimeLimitExceeded()
+        return read(self, key, field, value)
+
+    monkeypatch.setattr(Redlock, "acquire", acquire_in_time)
+    monkeypatch.setattr(Redlock, "holder_state", read_in_time)
+    try:
+        with run_worker(app):
+            job = soft.delay(1)
+            with pytest.raises(SoftTimeLimitExceeded):
+                job.get(timeout=20)
+            assert landed == ["soft:1"]
+            holder.release()
+            again = soft.delay(1)  # identical: a new job, the failed one is not queued
+            assert again.id != job.id
+            assert again.get(timeout=20) == 1
+    finally:
+        holder.release()
+        outside.close()
+    assert signal_log.of("lock_contended") == []
