@@ -26,6 +26,7 @@ import datetime as dt
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -52,7 +53,7 @@ from .identity import (
     wire_arguments,
 )
 from .keys import STORAGE_FORMAT, compile_lock_key, redis_key
-from .lock import Lease
+from .lock import Lease, interrupts
 from .lock.redlock import HolderState
 from .lock.summary import log_limited
 from .redact import guard, printable
@@ -69,6 +70,9 @@ from .settings import (
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.redact
+
+# A soft time limit lands wherever the job is: never a failure of the step it lands in.
+interrupts.register(SoftTimeLimitExceeded)
 
 #: Message header: how many times contention has rescheduled this job so far.
 CONTENTION_HEADER = "redlock_contention"
@@ -105,6 +109,47 @@ _RetryHook = Callable[
 _before_republish: contextvars.ContextVar[_RetryHook | None] = contextvars.ContextVar(
     "redlock_before_republish", default=None
 )
+
+
+_SOFT_LIMIT_SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
+
+
+def _publish_whole(publish: Callable[[], Any]) -> tuple[Any, Callable[[], None] | None]:
+    """``publish()`` with a soft time limit held back until it returns or raises.
+
+    In a prefork pool's process the soft limit is billiard's ``SIGUSR1`` handler raising
+    ``SoftTimeLimitExceeded`` wherever the job is (``revoke(terminate=True,
+    signal="SIGUSR1")`` sends the same): landing right after the message went out, it
+    would read as a publish that failed, and a caller undoing the publish (dropping the
+    job's dedupe marker) would leave a queued job that identical publishes no longer
+    find. Here the handler is swapped for one that notes the signal while ``publish``
+    runs; returns its result and, when the signal came meanwhile, the call that delivers
+    it (the handler it was meant for), for the caller to make once it knows the outcome.
+    Elsewhere (another pool, a thread, a process without billiard's handler) it just
+    calls ``publish``.
+    """
+    sig = _SOFT_LIMIT_SIGNAL
+    handler = signal.getsignal(sig) if sig is not None else None
+    if (
+        sig is None
+        or not callable(handler)
+        or getattr(handler, "__module__", None) != "billiard.pool"
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return publish(), None
+    held: list[Any] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(frame)
+
+    signal.signal(sig, hold)
+    try:
+        result = publish()
+    finally:
+        signal.signal(sig, handler)
+    if not held:
+        return result, None
+    return result, lambda: handler(sig, held[0])
 
 
 class LockLostInterrupt(LockLost):
@@ -430,15 +475,25 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if _republishing.get():
             release = _before_republish.get()
             standing = release(args or (), kwargs or {}, options) if release is not None else []
+            sent: list[Any] = []
             try:
-                return publish(task_id)
+                _, deliver = _publish_whole(lambda: sent.append(publish(task_id)))
             except BaseException:
+                if sent:
+                    raise  # interrupted once it was out: the markers stand for it
                 # The retry was not published, and the job ends here (Celery rejects it):
                 # a marker standing for it would make identical publishes return a job
                 # that never runs, until the marker's TTL.
                 for key, opts in standing:
                     self._drop_dedupe_marker(key, opts, task_id, "a failed retry publish")
                 raise
+            if deliver is not None:
+                # This delivery ends with the retry or reschedule just published, which
+                # runs with a time limit of its own: the soft limit has nothing to stop.
+                logger.info(
+                    "%s[%s]: soft time limit reached as it was republished", self.name, task_id
+                )
+            return sent[0]
         if (
             link
             or link_error
@@ -513,14 +568,20 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                     holder,
                 )
             return self.AsyncResult(holder)
+        published: list[Any] = []
         try:
-            return publish(task_id)
+            _, deliver = _publish_whole(lambda: published.append(publish(task_id)))
         except BaseException:
+            if published:
+                raise  # interrupted once it was out: the marker stands for the queued job
             try:
                 redlock.unclaim(key, marker, task_id)
             except Exception:
                 logger.warning("could not clear dedupe marker of %s", key, exc_info=True)
             raise
+        if deliver is not None:
+            deliver()  # the caller's soft time limit, now that its job is queued and marked
+        return published[0]
 
     def _unlike_its_duplicates(self, options: Mapping[str, Any]) -> str | None:
         """Why a publish with these options cannot stand for (or be folded into) an
@@ -877,21 +938,28 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if _rescheduled_since(request) is None:
             headers[WAITING_HEADER] = f"{time.time():.3f};{request.retries or 0}"  # noqa: TID251 - compared across hosts
         serializer = _header(request, SERIALIZER_HEADER)
+        options = {"serializer": serializer} if serializer else {}
+        sent: list[Any] = []
         token = _republishing.set(True)
         try:
             signature = self.signature_from_request(
                 request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
             )
-            if serializer:
-                signature.apply_async(serializer=serializer)
-            else:
-                signature.apply_async()
+            _, deliver = _publish_whole(lambda: sent.append(signature.apply_async(**options)))
         except BaseException:
-            if marker is not None:
+            # Not when the message went out and an exception (a soft time limit's) landed
+            # after: the marker stands for the queued reschedule.
+            if marker is not None and not sent:
                 self._drop_dedupe_marker(marker[0], marker[1], request.id, "a failed reschedule")
             raise
         finally:
             _republishing.reset(token)
+        if deliver is not None:
+            # This delivery ends with the reschedule, which waits with a time limit of
+            # its own: the soft limit has nothing left to stop.
+            logger.info(
+                "%s[%s]: soft time limit reached as it was rescheduled", self.name, request.id
+            )
 
     def _on_contended(
         self,
@@ -1100,6 +1168,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             holder, _ = redlock_for(self.app).claim(
                 key, self.dedupe_suffix(), request.id, ttl, guard_for=0
             )
+        except interrupts.ASYNC:
+            # Its soft time limit: the job fails here rather than waiting (it is not
+            # rescheduled), so no marker may name it.
+            self._drop_dedupe_marker(key, opts, request.id, "its soft time limit")
+            raise
         except Exception as exc:  # noqa: BLE001 - best effort: the job is rescheduled anyway
             logger.warning(
                 "%s[%s]: dedupe marker of %s not restored for its reschedule: %s",
@@ -1160,6 +1233,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return True
         try:
             redlock_for(self.app).unclaim(key, self.dedupe_suffix(), task_id)
+        except interrupts.ASYNC:
+            # Cut short by the job's soft time limit, which comes once: removed once more,
+            # then the job fails with it (a marker left would name a job that ended).
+            self._drop_dedupe_marker(key, opts, task_id, why)
+            raise
         except Exception as exc:
             logger.warning(
                 "%s[%s]: could not clear dedupe marker of %s%s; identical publishes may"
@@ -1193,5 +1271,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             self.backend.store_result(request.id, result, state, request=request)
         except NotImplementedError:
             pass  # no result backend configured
+        except interrupts.ASYNC:
+            raise  # its soft time limit: the job fails with it, and that result is stored
         except Exception:
             logger.warning("could not store %s for %s", state, request.id, exc_info=True)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..redact import guard
+from . import interrupts
 
 __all__ = ["EVENTS", "emit", "listening", "subscribe", "unsubscribe"]
 
@@ -72,5 +73,7 @@ def emit(event: str, **arguments: Any) -> None:
     for observer in _observers.get(event, ()):
         try:
             observer(**arguments)
+        except interrupts.ASYNC:
+            raise  # a signal's (a soft time limit) landing in an observer: the caller's
         except Exception:
             logger.exception("an observer of %s failed", event)

@@ -23,7 +23,6 @@ at the same CPU per cycle). The caller decides when polling pays off (see
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -33,7 +32,7 @@ from typing import Any
 
 import redis
 
-from . import probe, resolve, waiting
+from . import interrupts, probe, resolve, waiting
 from .master import Link, Slot
 from .wire import ReplyError
 
@@ -158,6 +157,8 @@ def run_round(
         if valid is not None:
             try:
                 ok = valid(replies)
+            except interrupts.ASYNC:
+                raise  # a signal's (a soft time limit): not this master's failure
             except Exception:  # noqa: BLE001 - a validator tripping on a reply means "bad"
                 ok = False
         if not ok or valid is None:  # (a validator never accepts an error reply)
@@ -267,6 +268,8 @@ def run_round(
                 errors[i] = link.master.last_error
                 del pending[i]
                 continue
+            except interrupts.ASYNC:
+                raise  # a signal's (a soft time limit): not this master's failure
             except Exception as exc:  # noqa: BLE001 - not RESP (hiredis.ProtocolError) or worse
                 _broken(link, i, f"malformed reply: {exc}", errors, clock() + reconnect_backoff)
                 del pending[i]
@@ -405,14 +408,20 @@ def _connect_all(
             # The lookups of every name start together: names that hang cost the round
             # one node_timeout in all, not one each (see .resolve). A failure to start
             # one shows again, and is reported, at its connect below.
-            with contextlib.suppress(Exception):
+            try:
                 links[i].master.prefetch_address()
+            except interrupts.ASYNC:
+                raise  # a signal's (a soft time limit): not this master's failure
+            except Exception:  # noqa: BLE001 - reported at its connect below
+                pass
         # Real time: the lookups run on threads (the injectable clock may stand still).
         resolved_by = time.monotonic() + node_timeout
         for i in wanted:
             link = links[i]
             try:
                 started = link.master.start_connect(max(0.0, resolved_by - time.monotonic()))
+            except interrupts.ASYNC:
+                raise  # a signal's (a soft time limit): not this master's failure
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                 failed(i, exc)
                 continue
@@ -437,6 +446,8 @@ def _connect_all(
                     conn.last_error = OSError(error, os.strerror(error))
                     try:
                         connecting[links[i].master.connect_next(conn)] = (i, conn)
+                    except interrupts.ASYNC:
+                        raise  # a signal's (a soft time limit): not this master's failure
                     except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                         failed(i, exc)
                 else:
@@ -448,11 +459,16 @@ def _connect_all(
             failed(i, f"TCP connect timed out after {node_timeout}s")
         to_open.sort(key=lambda item: item[0])
         while to_open:
-            i, conn = to_open.pop(0)
+            # Taken off the list once opened: an exception (a signal's) landing before the
+            # open (which closes its socket when it fails) leaves it to the cleanup below.
+            i, conn = to_open[0]
             try:
                 handshakes[i] = links[i].open(conn)
+            except interrupts.ASYNC:
+                raise  # a signal's (a soft time limit): not this master's failure
             except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                 failed(i, exc, unreachable=not _answered(exc))
+            del to_open[0]
         deadline = clock() + node_timeout
         while handshakes:
             timeout = deadline - clock()
@@ -462,6 +478,8 @@ def _connect_all(
                 slot = handshakes[i]
                 try:
                     links[i].read_available()
+                except interrupts.ASYNC:
+                    raise  # a signal's (a soft time limit): not this master's failure
                 except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
                     del handshakes[i]
                     # Closed or reset without a word: unreachable. Closed after a reply
@@ -473,6 +491,8 @@ def _connect_all(
                     del handshakes[i]
                     try:
                         links[i].finish_handshake(slot, clock())
+                    except interrupts.ASYNC:
+                        raise  # a signal's (a soft time limit): not this master's failure
                     except Exception as exc:  # noqa: BLE001 - an error or unusable reply
                         failed(i, exc, unreachable=False)
         for i in list(handshakes):

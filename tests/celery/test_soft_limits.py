@@ -1,0 +1,266 @@
+"""A soft time limit landing in SingletonTask's own steps, before or around the body.
+
+Celery's soft limit is billiard's ``SIGUSR1`` handler raising ``SoftTimeLimitExceeded``
+(an ``Exception``) wherever the job is; ``revoke(terminate=True, signal="SIGUSR1")`` sends
+the same. A review found it taken, at five places, for the failure of the step it landed
+in: a job reported skipped, a caller waiting for ever, a marker left naming a job that
+ended (identical publishes returned it), a job rescheduled without its marker or with its
+marker dropped though its reschedule was queued (an identical publish became a second job,
+and the body ran twice). Each test makes it land at one such point: by raising it from a
+wrapped step in an in-process worker, or, where the outcome hangs on where the signal lands
+after a message went out, with a real ``SIGUSR1`` and billiard's handler in the main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from billiard.pool import soft_timeout_sighandler
+from celery.app.trace import build_tracer
+from celery.backends.base import Backend
+from celery.exceptions import SoftTimeLimitExceeded
+
+from celery_redlock import Redlock, SingletonTask
+from celery_redlock.lock import master as master_module
+from celery_redlock.task import CONTENTION_HEADER
+from celery_redlock.testing import wait_for
+
+from .redlock_testkit import CeleryEnv, SignalLog, run_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def outside(env: CeleryEnv) -> Iterator[Redlock]:
+    """A client of the masters apart from the app's: it holds keys the jobs meet."""
+    client = Redlock(env.masters.urls)
+    yield client
+    client.close()
+
+
+def test_landing_as_a_skip_stores_its_result_the_job_fails_with_it(
+    env: CeleryEnv,
+    make_app: Any,
+    outside: Redlock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In the result backend's write of the skip: it was logged as "could not store" and
+    swallowed, the run raised ``Ignore``, nothing was stored, and ``.get()`` waited for
+    ever (PENDING)."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s1:{n}", on_contention="skip")
+    def job(self: Any, n: int) -> int:
+        return n
+
+    store = Backend.store_result
+    landed: list[str] = []
+
+    def store_in_time(self: Any, task_id: str, result: Any, state: str, *a: Any, **kw: Any) -> Any:
+        if state == "FAILURE" and not landed and not isinstance(result, SoftTimeLimitExceeded):
+            landed.append(task_id)
+            raise SoftTimeLimitExceeded()
+        return store(self, task_id, result, state, *a, **kw)
+
+    monkeypatch.setattr(Backend, "store_result", store_in_time)
+    holder = outside.acquire("s1:1", ttl=30, meta={"task_id": "another-run"})
+    try:
+        with run_worker(app):
+            result = job.delay(1)
+            with pytest.raises(SoftTimeLimitExceeded):
+                result.get(timeout=20)
+    finally:
+        holder.release()
+    assert landed == [result.id]
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_landing_in_the_removal_of_its_marker_still_removes_it(
+    env: CeleryEnv,
+    make_app: Any,
+    outside: Redlock,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+) -> None:
+    """In the removal of the "queued" marker of a job that ends on contention: the
+    removal was given up and logged, so the marker named the ended job, and every
+    identical publish returned it until ``redlock_dedupe_ttl``."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s2:{n}", on_contention=policy)
+    def job(self: Any, n: int) -> int:
+        return n
+
+    unclaim = Redlock.unclaim
+    landed: list[str] = []
+
+    def unclaim_in_time(self: Redlock, key: str, suffix: str, value: str) -> bool:
+        if self is not outside and not landed:
+            landed.append(value)
+            raise SoftTimeLimitExceeded()
+        return unclaim(self, key, suffix, value)
+
+    monkeypatch.setattr(Redlock, "unclaim", unclaim_in_time)
+    holder = outside.acquire("s2:1", ttl=30, meta={"task_id": "another-run"})
+    try:
+        with run_worker(app):
+            first = job.delay(1)
+            with pytest.raises(SoftTimeLimitExceeded):
+                first.get(timeout=20)
+            holder.release()
+            again = job.delay(1)
+            assert again.id != first.id  # a new job: the ended one is not queued
+            assert again.get(timeout=20) == 1
+    finally:
+        holder.release()
+    assert landed == [first.id]
+
+
+def test_landing_as_a_waiting_job_claims_its_marker_again_fails_it(
+    env: CeleryEnv,
+    make_app: Any,
+    outside: Redlock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job redelivered while its own dead run's lock stands waits for it, and claims its
+    "queued" marker again first (that run's start had cleared it). Landing in that claim, it
+    was swallowed: the job was rescheduled without a marker (past its soft limit), an
+    identical publish became a second job, and both ran once the dead lock expired."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s3:{n}", acks_late=True)
+    def job(self: Any, n: int) -> int:
+        return n
+
+    claim = Redlock.claim
+    landed: list[str] = []
+
+    def claim_in_time(self: Redlock, key: str, suffix: str, value: str, *a: Any, **kw: Any) -> Any:
+        if self is not outside and not landed and value == job_id:
+            landed.append(value)
+            claim(self, key, suffix, value, *a, **kw)  # its copies written ...
+            raise SoftTimeLimitExceeded()  # ... and the signal lands on its way out
+        return claim(self, key, suffix, value, *a, **kw)
+
+    job_id = f"job-{uuid.uuid4().hex}"
+    dead = outside.acquire("s3:1", ttl=3, meta={"task_id": job_id})  # its dead earlier run
+    first = job.apply_async((1,), task_id=job_id)
+    job.clear_dedupe(1)  # as that run's start left it
+    monkeypatch.setattr(Redlock, "claim", claim_in_time)
+    try:
+        with run_worker(app):
+            with pytest.raises(SoftTimeLimitExceeded):
+                first.get(timeout=20)
+            again = job.delay(1)
+            assert again.id != first.id  # the failed job is not the queued one
+            assert again.get(timeout=20) == 1
+    finally:
+        dead.release()
+    assert landed == [job_id]
+
+
+def test_landing_as_the_holder_read_connects_fails_the_job_not_skips_it(
+    env: CeleryEnv,
+    make_app: Any,
+    outside: Redlock,
+    signal_log: SignalLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a connect's handshake, in the read of who holds a contended key (its connections
+    were closed): the round took it for a master that failed to connect, read "another
+    holder" from the two others, and the job was reported skipped."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s5:{n}", on_contention="skip")
+    def job(self: Any, n: int) -> int:
+        return n
+
+    read, open_link = Redlock.holder_state, master_module.Link.open
+    reading: list[bool] = []
+    landed: list[str] = []
+
+    def read_on_new_connections(self: Redlock, key: str, field: str, value: str) -> Any:
+        if self is not outside:
+            for lane in self._lanes:  # closed as idle, or by the server
+                for link in lane.links:
+                    link.close()
+            reading.append(True)
+        try:
+            return read(self, key, field, value)
+        finally:
+            reading.clear()
+
+    def open_in_time(self: Any, *args: Any) -> Any:
+        if reading and not landed:
+            landed.append(self.master.name)
+            raise SoftTimeLimitExceeded()
+        return open_link(self, *args)
+
+    monkeypatch.setattr(Redlock, "holder_state", read_on_new_connections)
+    monkeypatch.setattr(master_module.Link, "open", open_in_time)
+    holder = outside.acquire("s5:1", ttl=30, meta={"task_id": "another-run"})
+    try:
+        with run_worker(app):
+            result = job.delay(1)
+            with pytest.raises(SoftTimeLimitExceeded):
+                result.get(timeout=20)
+    finally:
+        holder.release()
+    assert len(landed) == 1
+    assert signal_log.of("lock_contended") == []
+
+
+def test_a_real_soft_limit_right_after_a_reschedule_went_out_keeps_its_marker(
+    env: CeleryEnv, make_app: Any, outside: Redlock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Billiard's handler and a real ``SIGUSR1`` in the main thread, as in a prefork pool's
+    process: the signal comes right after the contention reschedule's message reached the
+    broker. It was taken for a failed publish: the job's marker was dropped and it failed
+    (FAILURE stored), while its reschedule waited in the queue; an identical publish became
+    a second job. The signal is now held back while the message goes out: the reschedule
+    stands (RETRY, the marker names it) and the soft limit, with nothing left to stop in
+    this delivery, is logged."""
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s4:{n}")
+    def job(self: Any, n: int) -> int:
+        return n
+
+    send = app.amqp.send_task_message
+    signalled: list[str] = []
+
+    def send_then_signal(producer: Any, name: str, message: Any, *a: Any, **kw: Any) -> Any:
+        sent = send(producer, name, message, *a, **kw)
+        if CONTENTION_HEADER in (message.headers or {}) and not signalled:
+            signalled.append(message.headers["id"])
+            os.kill(os.getpid(), signal.SIGUSR1)  # lands at once, in the main thread
+        return sent
+
+    holder = outside.acquire("s4:1", ttl=30, meta={"task_id": "another-run"})
+    try:
+        first = job.delay(1)
+        monkeypatch.setattr(app.amqp, "send_task_message", send_then_signal)
+        tracer = build_tracer(job.name, job, app=app, eager=False)
+        request = {
+            "id": first.id,
+            "task": job.name,
+            "hostname": "celery@soft-limits",
+            "delivery_info": {"routing_key": env.queue},
+            "headers": {},
+        }
+        previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+        try:
+            tracer(first.id, (1,), {}, request)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert signalled == [first.id]
+        wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
+        assert first.state == "RETRY"
+        assert job.delay(1).id == first.id  # its reschedule is the queued job of its key
+    finally:
+        holder.release()
