@@ -125,6 +125,8 @@ def _publish_whole(publish: Callable[[], Any]) -> tuple[Any, Callable[[], None] 
     find. Here the handler is swapped for one that notes the signal while ``publish``
     runs; returns its result and, when the signal came meanwhile, the call that delivers
     it (the handler it was meant for), for the caller to make once it knows the outcome.
+    When ``publish`` raises, a signal held meanwhile is delivered at once (the soft limit
+    then goes on, with the publish's exception as its context).
     Elsewhere (another pool, a thread, a process without billiard's handler) it just
     calls ``publish``.
     """
@@ -145,8 +147,12 @@ def _publish_whole(publish: Callable[[], Any]) -> tuple[Any, Callable[[], None] 
     signal.signal(sig, hold)
     try:
         result = publish()
-    finally:
+    except BaseException:
         signal.signal(sig, handler)
+        if held:
+            handler(sig, held[0])  # the soft limit goes on, from the publish's failure
+        raise
+    signal.signal(sig, handler)
     if not held:
         return result, None
     return result, lambda: handler(sig, held[0])
