@@ -26,7 +26,6 @@ import datetime as dt
 import importlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -66,13 +65,11 @@ from .settings import (
     validate_task_options,
     with_call_options,
 )
+from .softlimit import held_back
 
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))  # see celery_redlock.redact
-
-# A soft time limit lands wherever the job is: never a failure of the step it lands in.
-interrupts.register(SoftTimeLimitExceeded)
 
 #: Message header: how many times contention has rescheduled this job so far.
 CONTENTION_HEADER = "redlock_contention"
@@ -109,53 +106,6 @@ _RetryHook = Callable[
 _before_republish: contextvars.ContextVar[_RetryHook | None] = contextvars.ContextVar(
     "redlock_before_republish", default=None
 )
-
-
-_SOFT_LIMIT_SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
-
-
-def _publish_whole(publish: Callable[[], Any]) -> tuple[Any, Callable[[], None] | None]:
-    """``publish()`` with a soft time limit held back until it returns or raises.
-
-    In a prefork pool's process the soft limit is billiard's ``SIGUSR1`` handler raising
-    ``SoftTimeLimitExceeded`` wherever the job is (``revoke(terminate=True,
-    signal="SIGUSR1")`` sends the same): landing right after the message went out, it
-    would read as a publish that failed, and a caller undoing the publish (dropping the
-    job's dedupe marker) would leave a queued job that identical publishes no longer
-    find. Here the handler is swapped for one that notes the signal while ``publish``
-    runs; returns its result and, when the signal came meanwhile, the call that delivers
-    it (the handler it was meant for), for the caller to make once it knows the outcome.
-    When ``publish`` raises, a signal held meanwhile is delivered at once (the soft limit
-    then goes on, with the publish's exception as its context).
-    Elsewhere (another pool, a thread, a process without billiard's handler) it just
-    calls ``publish``.
-    """
-    sig = _SOFT_LIMIT_SIGNAL
-    handler = signal.getsignal(sig) if sig is not None else None
-    if (
-        sig is None
-        or not callable(handler)
-        or getattr(handler, "__module__", None) != "billiard.pool"
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        return publish(), None
-    held: list[Any] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        held.append(frame)
-
-    signal.signal(sig, hold)
-    try:
-        result = publish()
-    except BaseException:
-        signal.signal(sig, handler)
-        if held:
-            handler(sig, held[0])  # the soft limit goes on, from the publish's failure
-        raise
-    signal.signal(sig, handler)
-    if not held:
-        return result, None
-    return result, lambda: handler(sig, held[0])
 
 
 class LockLostInterrupt(LockLost):
@@ -483,7 +433,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             standing = release(args or (), kwargs or {}, options) if release is not None else []
             sent: list[Any] = []
             try:
-                _, deliver = _publish_whole(lambda: sent.append(publish(task_id)))
+                _, deliver = held_back(lambda: sent.append(publish(task_id)))
             except BaseException:
                 if sent:
                     raise  # interrupted once it was out: the markers stand for it
@@ -494,11 +444,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                     self._drop_dedupe_marker(key, opts, task_id, "a failed retry publish")
                 raise
             if deliver is not None:
-                # This delivery ends with the retry or reschedule just published, which
-                # runs with a time limit of its own: the soft limit has nothing to stop.
-                logger.info(
-                    "%s[%s]: soft time limit reached as it was republished", self.name, task_id
-                )
+                deliver()  # (held by the caller, retry() or _republish, when they run)
             return sent[0]
         if (
             link
@@ -576,7 +522,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return self.AsyncResult(holder)
         published: list[Any] = []
         try:
-            _, deliver = _publish_whole(lambda: published.append(publish(task_id)))
+            _, deliver = held_back(lambda: published.append(publish(task_id)))
         except BaseException:
             if published:
                 raise  # interrupted once it was out: the marker stands for the queued job
@@ -857,10 +803,18 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         token = _republishing.set(True)
         hook = _before_republish.set(release_for_retry)
         try:
-            return super().retry(*args, **kwargs)
+            # The soft limit is held back through the release, the marker's claim and the
+            # publish: a retry that went out keeps its marker, and its Retry ends this
+            # delivery (the soft limit, with nothing left to stop, is logged).
+            result, deliver = held_back(
+                lambda: super(SingletonTask, self).retry(*args, **kwargs), ends=(Retry,)
+            )
         finally:
             _before_republish.reset(hook)
             _republishing.reset(token)
+        if deliver is not None:
+            deliver()  # retry(throw=False): the body goes on, and so does its soft limit
+        return result
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -951,7 +905,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             signature = self.signature_from_request(
                 request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
             )
-            _, deliver = _publish_whole(lambda: sent.append(signature.apply_async(**options)))
+            _, deliver = held_back(lambda: sent.append(signature.apply_async(**options)))
         except BaseException:
             # Not when the message went out and an exception (a soft time limit's) landed
             # after: the marker stands for the queued reschedule.
@@ -1217,6 +1171,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             holder, _ = redlock_for(self.app).claim(
                 key, self.dedupe_suffix(), task_id, ttl, guard_for=0
             )
+        except interrupts.ASYNC:
+            raise  # its soft time limit, past the hold (see retry()): the retry is not sent
         except Exception as exc:  # noqa: BLE001 - best effort: the retry is published anyway
             logger.warning("%s[%s]: no dedupe marker for its retry: %s", self.name, task_id, exc)
             return None

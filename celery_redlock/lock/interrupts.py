@@ -12,16 +12,16 @@ is not. Each such guard on a caller's thread lets these through first::
     except Exception:
         ...
 
-The core imports no Celery: the Celery layer registers its exception here
-(:func:`register`, from ``celery_redlock.task``). ``KeyboardInterrupt`` and ``SystemExit``
-are ``BaseException``: no ``except Exception`` takes them. The core's ``except
-BaseException`` paths (undo an interrupted round, release a lease cut short) handle both
-kinds alike.
+The core imports no Celery: billiard's exception (Celery's pool, which raises it) counts
+where billiard is installed, and :func:`register` adds others. ``KeyboardInterrupt`` and
+``SystemExit`` are ``BaseException``: no ``except Exception`` takes them. The core's
+``except BaseException`` paths (undo an interrupted round, release a lease cut short)
+handle both kinds alike.
 """
 
 from __future__ import annotations
 
-__all__ = ["ASYNC", "register"]
+__all__ = ["ASYNC", "register", "wrapped"]
 
 #: Raised from outside (a signal's handler), never a failure of the call they land in.
 ASYNC: tuple[type[BaseException], ...] = ()
@@ -32,3 +32,21 @@ def register(kind: type[BaseException]) -> None:
     global ASYNC
     if kind not in ASYNC:
         ASYNC = (*ASYNC, kind)
+
+
+try:
+    from billiard.exceptions import SoftTimeLimitExceeded
+except ImportError:  # pragma: no cover - the lock core used without Celery
+    pass
+else:
+    register(SoftTimeLimitExceeded)
+
+
+def wrapped(exc: BaseException) -> BaseException | None:
+    """The one of :data:`ASYNC` that ``exc`` stands for, or None: ``exc`` itself, or the
+    exception it wraps (kombu re-raises whatever a serializer raised as its
+    ``EncodeError`` or ``DecodeError``, with the original as its cause or context)."""
+    for found in (exc, exc.__cause__, exc.__context__):
+        if isinstance(found, ASYNC):
+            return found
+    return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -215,6 +216,24 @@ def test_landing_as_the_holder_read_connects_fails_the_job_not_skips_it(
     assert signal_log.of("lock_contended") == []
 
 
+def _run_as_a_prefork_child(task: Any, task_id: str, env: CeleryEnv) -> None:
+    """Run one delivery of ``task`` here, in the main thread, with billiard's soft-limit
+    handler on ``SIGUSR1``, as a prefork pool's process runs it."""
+    tracer = build_tracer(task.name, task, app=task.app, eager=False)
+    request = {
+        "id": task_id,
+        "task": task.name,
+        "hostname": "celery@soft-limits",
+        "delivery_info": {"routing_key": env.queue},
+        "headers": {},
+    }
+    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    try:
+        tracer(task_id, (1,), {}, request)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_real_soft_limit_right_after_a_reschedule_went_out_keeps_its_marker(
     env: CeleryEnv, make_app: Any, outside: Redlock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,22 +264,86 @@ def test_a_real_soft_limit_right_after_a_reschedule_went_out_keeps_its_marker(
     try:
         first = job.delay(1)
         monkeypatch.setattr(app.amqp, "send_task_message", send_then_signal)
-        tracer = build_tracer(job.name, job, app=app, eager=False)
-        request = {
-            "id": first.id,
-            "task": job.name,
-            "hostname": "celery@soft-limits",
-            "delivery_info": {"routing_key": env.queue},
-            "headers": {},
-        }
-        previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
-        try:
-            tracer(first.id, (1,), {}, request)
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
+        _run_as_a_prefork_child(job, first.id, env)
         assert signalled == [first.id]
         wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
         assert first.state == "RETRY"
         assert job.delay(1).id == first.id  # its reschedule is the queued job of its key
     finally:
         holder.release()
+
+
+def test_a_real_soft_limit_during_retry_without_throw_reaches_the_body(
+    env: CeleryEnv, make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second review: ``retry(throw=False)`` returns, and the body goes on. The soft limit
+    that came while the retry was published was held, then only logged ("nothing left to
+    stop"): the body ran past its soft limit. It now gets it where ``retry()`` returns;
+    the retry that went out stands."""
+    app = make_app()
+    after: list[str] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s6:{n}")
+    def job(self: Any, n: int) -> int:
+        self.retry(countdown=30, throw=False)
+        after.append("went on past its soft limit")
+        return n
+
+    send = app.amqp.send_task_message
+
+    def send_then_signal(producer: Any, name: str, message: Any, *a: Any, **kw: Any) -> Any:
+        sent = send(producer, name, message, *a, **kw)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return sent
+
+    first = job.delay(1)
+    monkeypatch.setattr(app.amqp, "send_task_message", send_then_signal)
+    _run_as_a_prefork_child(job, first.id, env)
+    assert after == []
+    wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
+    assert first.state == "FAILURE"
+    assert isinstance(first.result, SoftTimeLimitExceeded)
+    assert job.delay(1).id == first.id  # its retry is the queued job of its key
+
+
+def test_a_real_soft_limit_in_retrys_marker_claim_keeps_the_retry_and_its_marker(
+    env: CeleryEnv, make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Second review: the soft limit came while ``retry()`` claimed the job's "queued"
+    marker again (the masters slow to answer): the claim undid what it wrote, and the
+    failure was logged and swallowed, so the retry went out without a marker and an
+    identical publish became a second job. Held through the release, the claim and the
+    publish, the retry goes out with its marker, and its ``Retry`` ends the delivery."""
+    from celery_redlock import signals, softlimit
+
+    monkeypatch.setattr(softlimit, "HOLD_FOR", 10.0)  # where it lands, not the bound
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s7:{n}")
+    def job(self: Any, n: int) -> int:
+        self.retry(countdown=30)
+        return n
+
+    def slow_masters_then_signal(**kwargs: Any) -> None:
+        # Right after the release: the masters pause, so the claim that comes next waits
+        # for them, and the signal comes during that wait.
+        for server in env.masters:
+            with server.client() as conn:
+                conn.execute_command("CLIENT", "PAUSE", 150)  # < node_timeout
+        timer = threading.Timer(0.03, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        timers.append(timer)
+
+    timers: list[threading.Timer] = []
+    first = job.delay(1)
+    signals.lock_released.connect(slow_masters_then_signal, weak=False)
+    try:
+        _run_as_a_prefork_child(job, first.id, env)
+    finally:
+        signals.lock_released.disconnect(slow_masters_then_signal)
+        for timer in timers:
+            timer.join(5)
+    assert len(timers) == 1
+    wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
+    assert first.state == "RETRY"
+    assert job.delay(1).id == first.id  # its retry is the queued job of its key

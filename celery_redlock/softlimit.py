@@ -1,0 +1,136 @@
+"""A soft time limit held back, for a bounded time, while SingletonTask publishes.
+
+In a prefork pool's process, Celery's soft time limit is billiard's ``SIGUSR1`` handler
+raising ``SoftTimeLimitExceeded`` wherever the job is (``revoke(terminate=True,
+signal="SIGUSR1")`` sends the same). Landing right after a message went out, it reads as
+a publish that failed: a caller that undoes a failed publish (drops the job's dedupe
+marker) would leave a queued job that identical publishes no longer find, and a second
+job would be published beside it. Whether the message went out cannot be told once the
+exception has landed, so :func:`held_back` keeps it from landing there: while the call
+runs, the handler is swapped for one that notes the signal, and the caller delivers it
+once it knows the outcome.
+
+A publish that does not return is not waited for: a broker that stops answering would
+otherwise keep the soft limit from the job until its hard limit kills the process, with
+the body's soft-limit handling never run. :data:`HOLD_FOR` after the signal came, the
+call is interrupted by it as it would have been without the hold (its outcome is then
+unknown, as before). Its wake-up is the signal itself, sent again to the main thread,
+so a system call blocked there returns (``EINTR``) and the handler runs.
+
+Nothing here runs outside that case: in another pool, in a thread, or in a process
+without billiard's handler (a web process, whose ``SIGUSR1`` may be its own), the call
+just runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .redact import guard
+
+__all__ = ["HOLD_FOR", "held_back"]
+
+logger = guard(logging.getLogger("celery_redlock.task"))
+
+T = TypeVar("T")
+
+#: Seconds a soft limit that came during a held call waits for the call to return before
+#: it interrupts it. A publish to a broker that answers takes milliseconds.
+HOLD_FOR = 0.25
+
+_SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
+
+
+class _Held:
+    """The signal's stand-in handler while a call runs, and what it noted."""
+
+    __slots__ = ("delivered", "done", "frame", "handler", "held", "mutex", "since", "timer")
+
+    def __init__(self, handler: Callable[[int, Any], Any]) -> None:
+        self.handler = handler
+        self.mutex = threading.Lock()
+        self.done = self.held = self.delivered = False
+        self.frame: Any = None
+        self.since = 0.0
+        self.timer: threading.Timer | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.done or self.delivered:
+            return  # the call returned (or was interrupted): delivered once, by the caller
+        now = time.monotonic()
+        if not self.held:
+            self.held, self.frame, self.since = True, frame, now
+            try:
+                timer = threading.Timer(HOLD_FOR, self._again)
+                timer.daemon = True
+                timer.start()
+            except Exception:  # noqa: BLE001 - no thread for the wake-up: not held at all
+                self.delivered = True
+                self.handler(signum, frame)
+                return
+            self.timer = timer
+            return
+        if now - self.since >= HOLD_FOR:
+            # Still running long after the signal came: a stalled publish. Interrupted, as
+            # it would have been without the hold.
+            self.delivered = True
+            self.handler(signum, frame)
+
+    def _again(self) -> None:
+        # On the timer's thread: the signal once more, to the main thread, so that a system
+        # call blocked there returns and the stand-in runs (and delivers it).
+        with self.mutex:
+            if not self.done and _SIGNAL is not None:
+                signal.pthread_kill(threading.main_thread().ident or 0, _SIGNAL)
+
+    def finish(self) -> None:
+        with self.mutex:
+            self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def held_back(
+    call: Callable[[], T], ends: tuple[type[BaseException], ...] = ()
+) -> tuple[T, Callable[[], None] | None]:
+    """``call()`` with a soft time limit held back until it returns or raises, for at
+    most :data:`HOLD_FOR` seconds after it came.
+
+    Returns the call's result and, when the soft limit came meanwhile (and was not
+    delivered into a stalled call), the call that delivers it (the handler it was meant
+    for), for the caller to make once it knows the outcome. When ``call`` raises, a soft
+    limit held meanwhile is delivered at once, from its exception, unless the exception is
+    one of ``ends`` (one that ends the job's delivery, as ``Retry``: then it is logged).
+    """
+    sig = _SIGNAL
+    handler = signal.getsignal(sig) if sig is not None else None
+    if (
+        sig is None
+        or not callable(handler)
+        or getattr(handler, "__module__", None) != "billiard.pool"
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return call(), None
+    held = _Held(handler)
+    signal.signal(sig, held)
+    try:
+        result = call()
+    except BaseException as exc:
+        held.finish()
+        signal.signal(sig, handler)  # (a signal still pending runs the stand-in first)
+        if held.held and not held.delivered:
+            if not isinstance(exc, ends):
+                handler(sig, held.frame)  # the soft limit goes on, from the call's failure
+            logger.info("soft time limit reached as the job was republished; it ends with that")
+        raise
+    held.finish()
+    signal.signal(sig, handler)
+    if not held.held or held.delivered:
+        return result, None
+    frame = held.frame
+    return result, lambda: handler(sig, frame)
