@@ -60,11 +60,13 @@ class _Held:
         self.timer: threading.Timer | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
-        if self.done or self.delivered:
-            return  # the call returned (or was interrupted): delivered once, by the caller
-        now = time.monotonic()
+        if self.delivered:
+            return
         if not self.held:
-            self.held, self.frame, self.since = True, frame, now
+            # Noted, for the caller to deliver (also when it comes as the call returns).
+            self.held, self.frame, self.since = True, frame, time.monotonic()
+            if self.done:
+                return
             try:
                 timer = threading.Timer(HOLD_FOR, self._again)
                 timer.daemon = True
@@ -75,7 +77,7 @@ class _Held:
                 return
             self.timer = timer
             return
-        if now - self.since >= HOLD_FOR:
+        if not self.done and time.monotonic() - self.since >= HOLD_FOR:
             # Still running long after the signal came: a stalled publish. Interrupted, as
             # it would have been without the hold.
             self.delivered = True
@@ -89,8 +91,13 @@ class _Held:
                 signal.pthread_kill(threading.main_thread().ident or 0, _SIGNAL)
 
     def finish(self) -> None:
+        # ``done`` first, with no lock: from here the stand-in only notes, so no signal run
+        # while this waits for the lock (or later) can raise into the caller. The lock then
+        # waits for a wake-up being sent (see _again), so that none is sent after the
+        # caller has put the real handler back.
+        self.done = True
         with self.mutex:
-            self.done = True
+            pass
         if self.timer is not None:
             self.timer.cancel()
 
@@ -119,17 +126,17 @@ def held_back(
     held = _Held(handler)
     signal.signal(sig, held)
     try:
-        result = call()
+        try:
+            result = call()
+        finally:
+            held.finish()
+            signal.signal(sig, handler)  # (a signal still pending runs the stand-in first)
     except BaseException as exc:
-        held.finish()
-        signal.signal(sig, handler)  # (a signal still pending runs the stand-in first)
         if held.held and not held.delivered:
             if not isinstance(exc, ends):
                 handler(sig, held.frame)  # the soft limit goes on, from the call's failure
             logger.info("soft time limit reached as the job was republished; it ends with that")
         raise
-    held.finish()
-    signal.signal(sig, handler)
     if not held.held or held.delivered:
         return result, None
     frame = held.frame
