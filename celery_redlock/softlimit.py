@@ -10,12 +10,16 @@ exception has landed, so :func:`held_back` keeps it from landing there: while th
 runs, the handler is swapped for one that notes the signal, and the caller delivers it
 once it knows the outcome.
 
-A publish that does not return is not waited for: a broker that stops answering would
-otherwise keep the soft limit from the job until its hard limit kills the process, with
-the body's soft-limit handling never run. :data:`HOLD_FOR` after the signal came, the
-call is interrupted by it as it would have been without the hold (its outcome is then
-unknown, as before). Its wake-up is the signal itself, sent again to the main thread,
-so a system call blocked there returns (``EINTR``) and the handler runs.
+A publish that does not return is not waited for without end: a broker that stops
+answering would otherwise keep the soft limit from the job until its hard limit kills the
+process, with the body's soft-limit handling never run. The hold lasts half the time
+between the running task's soft and hard limits (:func:`hold_for`: the other half is left
+to the body), or :data:`HOLD_FOR` when they are not both known; then the call is
+interrupted by the soft limit, as it would have been without the hold (its outcome is
+then unknown, as before). Its wake-up is the signal itself, sent again to the main
+thread, so a system call blocked there returns (``EINTR``) and the handler runs. A soft
+limit delivered into the call and swallowed there (a signal receiver's ``except
+Exception``) is delivered again by the caller once the call returns.
 
 Nothing here runs outside that case: in another pool, in a thread, or in a process
 without billiard's handler (a web process, whose ``SIGUSR1`` may be its own), the call
@@ -31,17 +35,19 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .lock import interrupts
 from .redact import guard
 
-__all__ = ["HOLD_FOR", "held_back"]
+__all__ = ["HOLD_FOR", "held_back", "hold_for"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))
 
 T = TypeVar("T")
 
 #: Seconds a soft limit that came during a held call waits for the call to return before
-#: it interrupts it. A publish to a broker that answers takes milliseconds.
-HOLD_FOR = 0.25
+#: it interrupts it, when the running task's soft and hard limits are not both known (see
+#: :func:`hold_for`). A publish to a broker that answers takes milliseconds.
+HOLD_FOR = 5.0
 
 _SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
 
@@ -49,10 +55,21 @@ _SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
 class _Held:
     """The signal's stand-in handler while a call runs, and what it noted."""
 
-    __slots__ = ("delivered", "done", "frame", "handler", "held", "mutex", "since", "timer")
+    __slots__ = (
+        "delivered",
+        "done",
+        "frame",
+        "handler",
+        "held",
+        "hold_for",
+        "mutex",
+        "since",
+        "timer",
+    )
 
-    def __init__(self, handler: Callable[[int, Any], Any]) -> None:
+    def __init__(self, handler: Callable[[int, Any], Any], hold_for: float) -> None:
         self.handler = handler
+        self.hold_for = hold_for
         self.mutex = threading.Lock()
         self.done = self.held = self.delivered = False
         self.frame: Any = None
@@ -68,7 +85,7 @@ class _Held:
             if self.done:
                 return
             try:
-                timer = threading.Timer(HOLD_FOR, self._again)
+                timer = threading.Timer(self.hold_for, self._again)
                 timer.daemon = True
                 timer.start()
             except Exception:  # noqa: BLE001 - no thread for the wake-up: not held at all
@@ -77,7 +94,7 @@ class _Held:
                 return
             self.timer = timer
             return
-        if not self.done and time.monotonic() - self.since >= HOLD_FOR:
+        if not self.done and time.monotonic() - self.since >= self.hold_for:
             # Still running long after the signal came: a stalled publish. Interrupted, as
             # it would have been without the hold.
             self.delivered = True
@@ -91,28 +108,48 @@ class _Held:
                 signal.pthread_kill(threading.main_thread().ident or 0, _SIGNAL)
 
     def finish(self) -> None:
-        # ``done`` first, with no lock: from here the stand-in only notes, so no signal run
-        # while this waits for the lock (or later) can raise into the caller. The lock then
-        # waits for a wake-up being sent (see _again), so that none is sent after the
-        # caller has put the real handler back.
-        self.done = True
+        # Called once ``done`` is set (from then on the stand-in only notes, so no signal
+        # run in here can raise). The lock waits for a wake-up being sent (see _again), so
+        # that none is sent after the caller has put the real handler back.
         with self.mutex:
             pass
         if self.timer is not None:
             self.timer.cancel()
 
 
+def hold_for(task: Any) -> float:
+    """How long a soft limit may be held while ``task`` (the one running in this process,
+    or None) publishes: half the time between its soft and hard limits, so that the other
+    half is left to the body's soft-limit handling; :data:`HOLD_FOR` when they are not
+    both known. Its limits are those of the running job (the message's ``timelimit``),
+    else the task's, else the app's, as the worker sets them."""
+    if task is None:
+        return HOLD_FOR
+    hard, soft = getattr(task.request, "timelimit", None) or (None, None)
+    conf = task.app.conf
+    hard = hard or task.time_limit or conf.task_time_limit
+    soft = soft or task.soft_time_limit or conf.task_soft_time_limit
+    if not hard or not soft:
+        return HOLD_FOR
+    return max(0.0, (float(hard) - float(soft)) / 2)
+
+
 def held_back(
-    call: Callable[[], T], ends: tuple[type[BaseException], ...] = ()
+    call: Callable[[], T],
+    ends: tuple[type[BaseException], ...] = (),
+    hold: float | Callable[[], float] = HOLD_FOR,
 ) -> tuple[T, Callable[[], None] | None]:
     """``call()`` with a soft time limit held back until it returns or raises, for at
-    most :data:`HOLD_FOR` seconds after it came.
+    most ``hold`` seconds after it came (a number, or a function giving one: asked only
+    when billiard's handler is there).
 
-    Returns the call's result and, when the soft limit came meanwhile (and was not
-    delivered into a stalled call), the call that delivers it (the handler it was meant
-    for), for the caller to make once it knows the outcome. When ``call`` raises, a soft
+    Returns the call's result and, when the soft limit came meanwhile, the call that
+    delivers it (the handler it was meant for), for the caller to make once it knows the
+    outcome; also when it was delivered into the call (past the hold) and the call
+    returned all the same (something in it swallowed it). When ``call`` raises, a soft
     limit held meanwhile is delivered at once, from its exception, unless the exception is
-    one of ``ends`` (one that ends the job's delivery, as ``Retry``: then it is logged).
+    one of ``ends`` (one that ends the job's delivery, as ``Retry``: then it is logged) or
+    is the soft limit delivered into the call (or wraps it).
     """
     sig = _SIGNAL
     handler = signal.getsignal(sig) if sig is not None else None
@@ -123,21 +160,26 @@ def held_back(
         or threading.current_thread() is not threading.main_thread()
     ):
         return call(), None
-    held = _Held(handler)
+    held = _Held(handler, hold() if callable(hold) else hold)
     signal.signal(sig, held)
     try:
         try:
             result = call()
         finally:
-            held.finish()
-            signal.signal(sig, handler)  # (a signal still pending runs the stand-in first)
+            # Set before anything that could run a signal's handler (a function's first
+            # instruction may): from here the stand-in only notes, and never raises.
+            held.done = True
+            try:
+                held.finish()
+            finally:
+                signal.signal(sig, handler)  # (a signal still pending runs the stand-in)
     except BaseException as exc:
-        if held.held and not held.delivered:
+        if held.held and not (held.delivered and interrupts.wrapped(exc) is not None):
             if not isinstance(exc, ends):
                 handler(sig, held.frame)  # the soft limit goes on, from the call's failure
             logger.info("soft time limit reached as the job was republished; it ends with that")
         raise
-    if not held.held or held.delivered:
+    if not held.held:
         return result, None
     frame = held.frame
     return result, lambda: handler(sig, frame)

@@ -65,7 +65,7 @@ from .settings import (
     validate_task_options,
     with_call_options,
 )
-from .softlimit import held_back
+from .softlimit import held_back, hold_for
 
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
@@ -433,7 +433,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             standing = release(args or (), kwargs or {}, options) if release is not None else []
             sent: list[Any] = []
             try:
-                _, deliver = held_back(lambda: sent.append(publish(task_id)))
+                _, deliver = held_back(lambda: sent.append(publish(task_id)), hold=self._hold)
             except BaseException:
                 if sent:
                     raise  # interrupted once it was out: the markers stand for it
@@ -522,7 +522,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return self.AsyncResult(holder)
         published: list[Any] = []
         try:
-            _, deliver = held_back(lambda: published.append(publish(task_id)))
+            _, deliver = held_back(lambda: published.append(publish(task_id)), hold=self._hold)
         except BaseException:
             if published:
                 raise  # interrupted once it was out: the marker stands for the queued job
@@ -807,7 +807,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # publish: a retry that went out keeps its marker, and its Retry ends this
             # delivery (the soft limit, with nothing left to stop, is logged).
             result, deliver = held_back(
-                lambda: super(SingletonTask, self).retry(*args, **kwargs), ends=(Retry,)
+                lambda: super(SingletonTask, self).retry(*args, **kwargs),
+                ends=(Retry,),
+                hold=self._hold,
             )
         finally:
             _before_republish.reset(hook)
@@ -817,6 +819,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         return result
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _hold(self) -> float:
+        """How long a soft limit may be held while this process's running job publishes
+        (see :func:`celery_redlock.softlimit.held_back`)."""
+        return hold_for(self.app.current_worker_task)
 
     def _release(self, request: Any, *, wait: bool = True) -> None:
         """Release the run's lease; ``wait=False`` sends it without awaiting replies."""
@@ -905,7 +912,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             signature = self.signature_from_request(
                 request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
             )
-            _, deliver = held_back(lambda: sent.append(signature.apply_async(**options)))
+            _, deliver = held_back(
+                lambda: sent.append(signature.apply_async(**options)), hold=self._hold
+            )
         except BaseException:
             # Not when the message went out and an exception (a soft time limit's) landed
             # after: the marker stands for the queued reschedule.

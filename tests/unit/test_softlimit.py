@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from billiard.pool import soft_timeout_sighandler
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 
-from celery_redlock.softlimit import HOLD_FOR, held_back
+from celery_redlock.softlimit import HOLD_FOR, held_back, hold_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -125,14 +126,14 @@ def test_a_call_that_stalls_is_interrupted_once_the_hold_is_over(billiards_handl
     call, as it would have without the hold, and is not delivered again."""
     left, right = socket.socketpair()
     try:
-        right.settimeout(20 * HOLD_FOR + 5)  # nothing is ever sent: a stalled reply
+        right.settimeout(20)  # nothing is ever sent: a stalled reply
 
         def publish() -> bytes:
             _signal_self()
             return right.recv(1)
 
         with pytest.raises(SoftTimeLimitExceeded) as caught:
-            held_back(publish)
+            held_back(publish, hold=0.1)
     finally:
         left.close()
         right.close()
@@ -174,3 +175,129 @@ def test_a_soft_limit_in_the_serializers_round_trip_is_not_the_arguments_failure
             wire_arguments((1, object()), {}, "soft-limit-test")
     finally:
         unregister("soft-limit-test")
+
+
+def test_a_call_slower_than_usual_but_within_the_hold_is_not_interrupted(
+    billiards_handler: None,
+) -> None:
+    """Third review: a fixed 0.25 s hold interrupted a retry's publish through a broker
+    slow for 0.7 s (Celery then rejected the job: no retry went out), and a body's publish
+    whose reply came late (its marker was dropped though the job was queued: an identical
+    publish became a second job), with the hard limit seconds away."""
+    left, right = socket.socketpair()
+    try:
+        right.settimeout(5)
+        threading.Timer(0.4, left.sendall, (b"+",)).start()  # the reply, late
+
+        def publish() -> bytes:
+            _signal_self()
+            return right.recv(1)
+
+        result, deliver = held_back(publish, hold=hold_for(_Running(soft=1, hard=10)))
+    finally:
+        left.close()
+        right.close()
+    assert result == b"+"
+    assert deliver is not None
+    with pytest.raises(SoftTimeLimitExceeded):
+        deliver()
+
+
+def test_a_soft_limit_delivered_into_the_call_and_swallowed_there_is_delivered_again(
+    billiards_handler: None,
+) -> None:
+    """Third review: delivered into a stalled publish, the soft limit landed in a signal
+    receiver (``after_task_publish``), whose ``except Exception`` in Celery's dispatch
+    logged and swallowed it; the publish returned and the body ran on to its hard limit's
+    kill."""
+    left, right = socket.socketpair()
+    swallowed: list[BaseException] = []
+    try:
+        right.settimeout(20)
+
+        def publish() -> str:
+            _signal_self()
+            try:
+                right.recv(1)
+            except Exception as exc:  # noqa: BLE001 - as Celery's Signal.send does
+                swallowed.append(exc)
+            return "sent"
+
+        result, deliver = held_back(publish, hold=0.1)
+    finally:
+        left.close()
+        right.close()
+    assert [type(exc) for exc in swallowed] == [SoftTimeLimitExceeded]
+    assert result == "sent"
+    assert deliver is not None
+    with pytest.raises(SoftTimeLimitExceeded):
+        deliver()
+
+
+def test_the_handler_is_restored_when_the_wake_up_comes_as_the_call_returns(
+    billiards_handler: None,
+) -> None:
+    """Third review: the hold's wake-up, handled at the first instruction of the cleanup
+    after the call returned (the call ended in C code holding the GIL through the timer's
+    moment), raised out of it before billiard's handler was put back: the spent stand-in
+    stayed, and every later soft limit of that process was ignored."""
+    started = time.perf_counter()
+    sum(range(1_000_000))
+    per_million = max(time.perf_counter() - started, 1e-6)
+    n = int(1_000_000 * 0.4 / per_million)  # about 0.4 s of C work holding the GIL
+
+    def publish() -> int:
+        _signal_self()
+        return sum(range(n))
+
+    try:
+        _, deliver = held_back(publish, hold=0.05)
+    except SoftTimeLimitExceeded:
+        deliver = None  # delivered into the call: fine, as long as the handler is back
+    assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler
+    if deliver is not None:
+        with pytest.raises(SoftTimeLimitExceeded):
+            deliver()
+
+
+class _Running:
+    """A running task's time limits, as :func:`hold_for` reads them."""
+
+    def __init__(
+        self,
+        soft: float | None = None,
+        hard: float | None = None,
+        message: tuple[float | None, float | None] | None = None,
+        conf: tuple[float | None, float | None] = (None, None),
+    ) -> None:
+        self.soft_time_limit, self.time_limit = soft, hard
+        self.request = type("Request", (), {"timelimit": message})()
+        conf_hard, conf_soft = conf
+        self.app = type(
+            "App",
+            (),
+            {
+                "conf": type(
+                    "Conf", (), {"task_time_limit": conf_hard, "task_soft_time_limit": conf_soft}
+                )()
+            },
+        )()
+
+
+@pytest.mark.parametrize(
+    ("running", "expected"),
+    [
+        (None, HOLD_FOR),
+        (_Running(soft=1, hard=10), 4.5),
+        (_Running(soft=1), HOLD_FOR),  # no hard limit: nothing kills the process
+        (_Running(hard=10), HOLD_FOR),
+        (_Running(soft=1, hard=10, message=(4, 2)), 1.0),  # the message's own limits
+        (_Running(message=(None, 3), conf=(9, None)), 3.0),
+        (_Running(conf=(30, 10)), 10.0),
+        (_Running(soft=5, hard=5), 0.0),
+    ],
+)
+def test_the_hold_is_half_the_time_between_the_soft_and_hard_limits(
+    running: Any, expected: float
+) -> None:
+    assert hold_for(running) == expected
