@@ -28,6 +28,7 @@ just runs.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # (signal.signal, minus its Python frame)
 import logging
 import signal
 import threading
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 from .lock import interrupts
 from .redact import guard
 
-__all__ = ["HOLD_FOR", "held_back", "hold_for"]
+__all__ = ["HOLD_FOR", "held_back", "hold_for", "set_worker_limits"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))
 
@@ -50,6 +51,17 @@ T = TypeVar("T")
 HOLD_FOR = 5.0
 
 _SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
+
+#: The worker's own limits, (hard, soft) (``celery worker --time-limit --soft-time-limit``),
+#: which its pool applies to jobs that carry none, and the task neither: set as the worker
+#: starts, in its main process, before the pool forks (see :func:`set_worker_limits`).
+_worker_limits: tuple[float | None, float | None] = (None, None)
+
+
+def set_worker_limits(hard: float | None, soft: float | None) -> None:
+    """Note the starting worker's own time limits (from its bootstep)."""
+    global _worker_limits
+    _worker_limits = (hard, soft)
 
 
 class _Held:
@@ -122,13 +134,14 @@ def hold_for(task: Any) -> float:
     or None) publishes: half the time between its soft and hard limits, so that the other
     half is left to the body's soft-limit handling; :data:`HOLD_FOR` when they are not
     both known. Its limits are those of the running job (the message's ``timelimit``),
-    else the task's, else the app's, as the worker sets them."""
+    else the task's (which default to the app's), else the worker's own, in the order
+    Celery's worker applies them."""
     if task is None:
         return HOLD_FOR
     hard, soft = getattr(task.request, "timelimit", None) or (None, None)
     conf = task.app.conf
-    hard = hard or task.time_limit or conf.task_time_limit
-    soft = soft or task.soft_time_limit or conf.task_soft_time_limit
+    hard = hard or task.time_limit or _worker_limits[0] or conf.task_time_limit
+    soft = soft or task.soft_time_limit or _worker_limits[1] or conf.task_soft_time_limit
     if not hard or not soft:
         return HOLD_FOR
     return max(0.0, (float(hard) - float(soft)) / 2)
@@ -161,9 +174,13 @@ def held_back(
     ):
         return call(), None
     held = _Held(handler, hold() if callable(hold) else hold)
-    signal.signal(sig, held)
+    # The swap and the swap back are the C function itself (signal.signal is a Python
+    # function: an exception raised into this thread from another, LockLostInterrupt,
+    # can land as it starts) and sit inside the try, so the real handler is always put
+    # back.
     try:
         try:
+            _signal.signal(sig, held)
             result = call()
         finally:
             # Set before anything that could run a signal's handler (a function's first
@@ -172,7 +189,7 @@ def held_back(
             try:
                 held.finish()
             finally:
-                signal.signal(sig, handler)  # (a signal still pending runs the stand-in)
+                _signal.signal(sig, handler)  # (a signal still pending runs the stand-in)
     except BaseException as exc:
         if held.held and not (held.delivered and interrupts.wrapped(exc) is not None):
             if not isinstance(exc, ends):

@@ -116,6 +116,13 @@ class RedlockWorkerStep(bootsteps.Step):  # type: ignore[misc]  # celery ships n
         global _worker_nodename
         validate_app(worker.app)
         _worker_nodename = getattr(worker, "hostname", None)
+        from .softlimit import set_worker_limits
+
+        # Before the pool forks: its processes hold a soft limit back for half the time to
+        # the hard one (see celery_redlock.softlimit), which these options may set.
+        set_worker_limits(
+            getattr(worker, "time_limit", None), getattr(worker, "soft_time_limit", None)
+        )
         from .revoke import wrap_revoke_commands
 
         wrap_revoke_commands()

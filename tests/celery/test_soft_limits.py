@@ -347,3 +347,22 @@ def test_a_real_soft_limit_in_retrys_marker_claim_keeps_the_retry_and_its_marker
     wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
     assert first.state == "RETRY"
     assert job.delay(1).id == first.id  # its retry is the queued job of its key
+
+
+def test_the_worker_notes_its_own_time_limits_as_it_starts(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``celery worker --time-limit --soft-time-limit`` reach only its pool: the worker's
+    bootstep notes them (before a prefork pool forks), for the hold's length."""
+    from celery_redlock import softlimit
+
+    monkeypatch.setattr(softlimit, "_worker_limits", (None, None))
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s8:{n}")
+    def job(self: Any, n: int) -> float:
+        return softlimit.hold_for(self)
+
+    with run_worker(app, time_limit=30, soft_time_limit=10):
+        assert softlimit._worker_limits == (30, 10)
+        assert job.delay(1).get(timeout=20) == 10.0

@@ -301,3 +301,59 @@ def test_the_hold_is_half_the_time_between_the_soft_and_hard_limits(
     running: Any, expected: float
 ) -> None:
     assert hold_for(running) == expected
+
+
+def test_billiards_handler_is_put_back_when_another_threads_exception_lands_at_the_swap(
+    billiards_handler: None,
+) -> None:
+    """Fourth review: ``on_lock_lost="interrupt"`` raises LockLostInterrupt into the task's
+    thread from the renewal thread (``PyThreadState_SetAsyncExc``). Landing right after the
+    swap to the stand-in, before the ``try`` that swaps back (or at the first instruction of
+    ``signal.signal``, a Python function, as it swapped back), it left the stand-in in place:
+    every later soft limit of that process was only noted, and ignored."""
+    import _signal  # type: ignore[import-not-found]
+    import ctypes
+    import sys
+
+    from celery_redlock.softlimit import _Held
+
+    class RaisedFromAnotherThread(Exception):
+        pass
+
+    injected: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "c_return"
+            and arg is _signal.signal
+            and not injected
+            and isinstance(signal.getsignal(signal.SIGUSR1), _Held)
+        ):
+            injected.append(True)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(threading.get_ident()), ctypes.py_object(RaisedFromAnotherThread)
+            )
+
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(RaisedFromAnotherThread):
+            held_back(lambda: 1)
+    finally:
+        sys.setprofile(None)
+    assert injected == [True]
+    assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler
+
+
+def test_the_workers_own_limits_count_when_neither_the_message_nor_the_task_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fourth review: ``celery worker --soft-time-limit=1 --time-limit=3`` reaches only the
+    pool; the hold, seeing no limits, lasted 5 s, and the hard limit killed the process
+    at 3 s where the soft limit used to reach the body."""
+    from celery_redlock import softlimit
+
+    monkeypatch.setattr(softlimit, "_worker_limits", (None, None))
+    softlimit.set_worker_limits(3, 1)
+    assert hold_for(_Running()) == 1.0
+    assert hold_for(_Running(soft=2, hard=10)) == 4.0  # the task's own come first
+    assert hold_for(_Running(message=(5, 4))) == 0.5  # and the message's before them
