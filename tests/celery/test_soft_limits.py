@@ -44,6 +44,20 @@ def outside(env: CeleryEnv) -> Iterator[Redlock]:
     client.close()
 
 
+def _fails_at_its_soft_limit(app: Any, task: Any, outside: Redlock, key: str) -> Any:
+    """Publish ``task(1)`` while ``outside`` holds ``key``, to an in-process worker: its
+    result raises SoftTimeLimitExceeded (the step it lands in is the test's). Returns it."""
+    holder = outside.acquire(key, ttl=30, meta={"task_id": "another-run"})
+    try:
+        with run_worker(app):
+            result = task.delay(1)
+            with pytest.raises(SoftTimeLimitExceeded):
+                result.get(timeout=20)
+    finally:
+        holder.release()
+    return result
+
+
 def test_landing_as_a_skip_stores_its_result_the_job_fails_with_it(
     env: CeleryEnv,
     make_app: Any,
@@ -69,14 +83,7 @@ def test_landing_as_a_skip_stores_its_result_the_job_fails_with_it(
         return store(self, task_id, result, state, *a, **kw)
 
     monkeypatch.setattr(Backend, "store_result", store_in_time)
-    holder = outside.acquire("s1:1", ttl=30, meta={"task_id": "another-run"})
-    try:
-        with run_worker(app):
-            result = job.delay(1)
-            with pytest.raises(SoftTimeLimitExceeded):
-                result.get(timeout=20)
-    finally:
-        holder.release()
+    result = _fails_at_its_soft_limit(app, job, outside, "s1:1")
     assert landed == [result.id]
 
 
@@ -204,14 +211,7 @@ def test_landing_as_the_holder_read_connects_fails_the_job_not_skips_it(
 
     monkeypatch.setattr(Redlock, "holder_state", read_on_new_connections)
     monkeypatch.setattr(master_module.Link, "open", open_in_time)
-    holder = outside.acquire("s5:1", ttl=30, meta={"task_id": "another-run"})
-    try:
-        with run_worker(app):
-            result = job.delay(1)
-            with pytest.raises(SoftTimeLimitExceeded):
-                result.get(timeout=20)
-    finally:
-        holder.release()
+    _fails_at_its_soft_limit(app, job, outside, "s5:1")
     assert len(landed) == 1
     assert signal_log.of("lock_contended") == []
 
