@@ -14,7 +14,8 @@ A publish that does not return is not waited for without end: a broker that stop
 answering would otherwise keep the soft limit from the job until its hard limit kills the
 process, with the body's soft-limit handling never run. The hold lasts half the time
 between the running task's soft and hard limits (:func:`hold_for`: the other half is left
-to the body), or :data:`HOLD_FOR` when they are not both known; then the call is
+to the body); :data:`HOLD_FOR` when no hard limit is known; nothing when only the hard
+limit is (how much of it is left when the signal comes cannot be told); then the call is
 interrupted by the soft limit, as it would have been without the hold (its outcome is
 then unknown, as before). Its wake-up is the signal itself, sent again to the main
 thread, so a system call blocked there returns (``EINTR``) and the handler runs. A soft
@@ -39,15 +40,15 @@ from typing import Any, TypeVar
 from .lock import interrupts
 from .redact import guard
 
-__all__ = ["HOLD_FOR", "held_back", "hold_for", "set_worker_limits"]
+__all__ = ["HOLD_FOR", "held_back", "hold_for", "running_job", "set_worker_limits"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))
 
 T = TypeVar("T")
 
 #: Seconds a soft limit that came during a held call waits for the call to return before
-#: it interrupts it, when the running task's soft and hard limits are not both known (see
-#: :func:`hold_for`). A publish to a broker that answers takes milliseconds.
+#: it interrupts it, when the running task has no hard limit (see :func:`hold_for`). A
+#: publish to a broker that answers takes milliseconds.
 HOLD_FOR = 5.0
 
 _SIGNAL: int | None = getattr(signal, "SIGUSR1", None)
@@ -129,21 +130,43 @@ class _Held:
             self.timer.cancel()
 
 
+def running_job() -> Any:
+    """The task of the job this worker process was given (None outside one): not a task
+    run inside it with ``apply()`` (eager, whose request Celery's ``current_worker_task``
+    also counts) or called directly. Its limits are the ones the pool enforces."""
+    from celery._state import _task_stack  # (Celery's own current_worker_task reads it)
+
+    for task in reversed(getattr(_task_stack, "stack", None) or ()):
+        request = task.request
+        if not request.called_directly and not request.is_eager:
+            return task
+    return None
+
+
 def hold_for(task: Any) -> float:
     """How long a soft limit may be held while ``task`` (the one running in this process,
-    or None) publishes: half the time between its soft and hard limits, so that the other
-    half is left to the body's soft-limit handling; :data:`HOLD_FOR` when they are not
-    both known. Its limits are those of the running job (the message's ``timelimit``),
-    else the task's (which default to the app's), else the worker's own, in the order
-    Celery's worker applies them."""
+    see :func:`running_job`; or None) publishes.
+
+    - Soft and hard limits both known: half the time between them, the other half left to
+      the body's soft-limit handling.
+    - A hard limit and no soft limit (the signal is then a revoke's, at a moment nothing
+      tells): 0, not held, so that it never comes later than it would have.
+    - No hard limit (nothing will kill the process): :data:`HOLD_FOR`.
+
+    Its limits are those of the running job (the message's ``timelimit``), else the
+    task's (which default to the app's), else the worker's own, in the order Celery's
+    worker applies them.
+    """
     if task is None:
         return HOLD_FOR
     hard, soft = getattr(task.request, "timelimit", None) or (None, None)
     conf = task.app.conf
     hard = hard or task.time_limit or _worker_limits[0] or conf.task_time_limit
     soft = soft or task.soft_time_limit or _worker_limits[1] or conf.task_soft_time_limit
-    if not hard or not soft:
+    if not hard:
         return HOLD_FOR
+    if not soft:
+        return 0.0
     return max(0.0, (float(hard) - float(soft)) / 2)
 
 
@@ -173,7 +196,10 @@ def held_back(
         or threading.current_thread() is not threading.main_thread()
     ):
         return call(), None
-    held = _Held(handler, hold() if callable(hold) else hold)
+    seconds = hold() if callable(hold) else hold
+    if seconds <= 0:
+        return call(), None  # not held: it would come later than the time left allows
+    held = _Held(handler, seconds)
     # The swap and the swap back are the C function itself (signal.signal is a Python
     # function: an exception raised into this thread from another, LockLostInterrupt,
     # can land as it starts) and sit inside the try, so the real handler is always put

@@ -65,7 +65,7 @@ from .settings import (
     validate_task_options,
     with_call_options,
 )
-from .softlimit import held_back, hold_for
+from .softlimit import held_back, hold_for, running_job
 
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
@@ -823,7 +823,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _hold(self) -> float:
         """How long a soft limit may be held while this process's running job publishes
         (see :func:`celery_redlock.softlimit.held_back`)."""
-        return hold_for(self.app.current_worker_task)
+        return hold_for(running_job())
 
     def _release(self, request: Any, *, wait: bool = True) -> None:
         """Release the run's lease; ``wait=False`` sends it without awaiting replies."""

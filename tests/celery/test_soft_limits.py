@@ -366,3 +366,26 @@ def test_the_worker_notes_its_own_time_limits_as_it_starts(
     with run_worker(app, time_limit=30, soft_time_limit=10):
         assert softlimit._worker_limits == (30, 10)
         assert job.delay(1).get(timeout=20) == 10.0
+
+
+def test_the_hold_reads_the_limits_of_the_job_the_worker_runs_not_of_one_applied_in_it(
+    make_app: Any,
+) -> None:
+    """Fifth review: a body running another task with ``apply()`` (eagerly, inside it):
+    Celery's ``current_worker_task`` is that task, whose limits the pool does not enforce;
+    the hold read its (none: 5 s) and outlasted the running job's hard limit."""
+    from celery_redlock import softlimit
+
+    app = make_app()
+
+    @app.task(bind=True)
+    def helper(self: Any) -> str | None:
+        running = softlimit.running_job()
+        return None if running is None else running.name
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s9:{n}")
+    def outer(self: Any, n: int) -> str | None:
+        return helper.apply(throw=True).get()
+
+    with run_worker(app):
+        assert outer.delay(1).get(timeout=20) == outer.name

@@ -290,7 +290,7 @@ class _Running:
         (None, HOLD_FOR),
         (_Running(soft=1, hard=10), 4.5),
         (_Running(soft=1), HOLD_FOR),  # no hard limit: nothing kills the process
-        (_Running(hard=10), HOLD_FOR),
+        (_Running(hard=10), 0.0),  # a revoke's signal: how much of the limit is left is unknown
         (_Running(soft=1, hard=10, message=(4, 2)), 1.0),  # the message's own limits
         (_Running(message=(None, 3), conf=(9, None)), 3.0),
         (_Running(conf=(30, 10)), 10.0),
@@ -357,3 +357,16 @@ def test_the_workers_own_limits_count_when_neither_the_message_nor_the_task_sets
     assert hold_for(_Running()) == 1.0
     assert hold_for(_Running(soft=2, hard=10)) == 4.0  # the task's own come first
     assert hold_for(_Running(message=(5, 4))) == 0.5  # and the message's before them
+
+
+def test_with_only_a_hard_limit_nothing_is_held(billiards_handler: None) -> None:
+    """Fifth review: ``revoke(terminate=True, signal="SIGUSR1")`` on a task with a hard limit
+    and no soft one: the 5 s hold outlasted the time left, and the hard limit killed the
+    process where the body used to get the soft limit and clean up."""
+
+    def publish() -> None:
+        _signal_self()
+
+    with pytest.raises(SoftTimeLimitExceeded):
+        held_back(publish, hold=hold_for(_Running(hard=3)))
+    assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler
