@@ -15,7 +15,8 @@ answering would otherwise keep the soft limit from the job until its hard limit 
 process, with the body's soft-limit handling never run. The hold lasts half the time
 between the running task's soft and hard limits (:func:`hold_for`: the other half is left
 to the body); :data:`HOLD_FOR` when no hard limit is known; nothing when only the hard
-limit is (how much of it is left when the signal comes cannot be told); then the call is
+limit is (how much of it is left when the signal comes cannot be told), nor when the
+running job cannot be found (its limits unknown); then the call is
 interrupted by the soft limit, as it would have been without the hold (its outcome is
 then unknown, as before). Its wake-up is the signal itself, sent again to the main
 thread, so a system call blocked there returns (``EINTR``) and the handler runs. A soft
@@ -130,36 +131,42 @@ class _Held:
             self.timer.cancel()
 
 
-def running_job() -> Any:
-    """The task of the job this worker process was given (None outside one): not a task
-    run inside it with ``apply()`` (eager, whose request Celery's ``current_worker_task``
-    also counts) or called directly. Its limits are the ones the pool enforces."""
+def running_job() -> tuple[Any, Any] | None:
+    """The task of the job this worker process was given, and that job's request; None
+    when it cannot be found. Not a task run inside it with ``apply()`` (eager, whose
+    request Celery's ``current_worker_task`` also counts: the same task as the job's
+    included) nor one called directly. Its limits are the ones the pool enforces."""
     from celery._state import _task_stack  # (Celery's own current_worker_task reads it)
 
     for task in reversed(getattr(_task_stack, "stack", None) or ()):
-        request = task.request
-        if not request.called_directly and not request.is_eager:
-            return task
+        for request in reversed(getattr(task.request_stack, "stack", None) or ()):
+            if not request.called_directly and not request.is_eager:
+                return task, request
     return None
 
 
-def hold_for(task: Any) -> float:
+def hold_for(task: Any, request: Any = None) -> float:
     """How long a soft limit may be held while ``task`` (the one running in this process,
-    see :func:`running_job`; or None) publishes.
+    with its job's ``request``, by default ``task.request``: see :func:`running_job`)
+    publishes.
 
     - Soft and hard limits both known: half the time between them, the other half left to
       the body's soft-limit handling.
     - A hard limit and no soft limit (the signal is then a revoke's, at a moment nothing
       tells): 0, not held, so that it never comes later than it would have.
     - No hard limit (nothing will kill the process): :data:`HOLD_FOR`.
+    - No running job found (``task`` None: a body running in a greenlet of its own, whose
+      stack of tasks is its own): 0, as its limits are not known.
 
     Its limits are those of the running job (the message's ``timelimit``), else the
     task's (which default to the app's), else the worker's own, in the order Celery's
     worker applies them.
     """
     if task is None:
-        return HOLD_FOR
-    hard, soft = getattr(task.request, "timelimit", None) or (None, None)
+        return 0.0
+    if request is None:
+        request = task.request
+    hard, soft = getattr(request, "timelimit", None) or (None, None)
     conf = task.app.conf
     hard = hard or task.time_limit or _worker_limits[0] or conf.task_time_limit
     soft = soft or task.soft_time_limit or _worker_limits[1] or conf.task_soft_time_limit

@@ -823,7 +823,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _hold(self) -> float:
         """How long a soft limit may be held while this process's running job publishes
         (see :func:`celery_redlock.softlimit.held_back`)."""
-        return hold_for(running_job())
+        found = running_job()
+        return hold_for(*found) if found is not None else hold_for(None)
 
     def _release(self, request: Any, *, wait: bool = True) -> None:
         """Release the run's lease; ``wait=False`` sends it without awaiting replies."""

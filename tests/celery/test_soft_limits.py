@@ -381,7 +381,7 @@ def test_the_hold_reads_the_limits_of_the_job_the_worker_runs_not_of_one_applied
     @app.task(bind=True)
     def helper(self: Any) -> str | None:
         running = softlimit.running_job()
-        return None if running is None else running.name
+        return None if running is None else running[0].name
 
     @app.task(bind=True, base=SingletonTask, lock_key="s9:{n}")
     def outer(self: Any, n: int) -> str | None:
@@ -389,3 +389,44 @@ def test_the_hold_reads_the_limits_of_the_job_the_worker_runs_not_of_one_applied
 
     with run_worker(app):
         assert outer.delay(1).get(timeout=20) == outer.name
+
+
+def test_the_running_job_is_found_when_the_task_applies_itself(make_app: Any) -> None:
+    """Sixth review: a task running its own next step with ``self.apply()``: Celery's
+    stack then holds the task twice, and each entry's ``request`` is the top one (the
+    eager one), so no job was found and the hold fell back to 5 s, past the job's hard
+    limit. The job's own request is found in the task's stack of requests."""
+    from celery_redlock import softlimit
+
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s10:{n}:{depth}")
+    def walk(self: Any, n: int, depth: int) -> Any:
+        if depth:
+            return walk.apply((n, depth - 1), throw=True).get()
+        found = softlimit.running_job()
+        assert self.request.is_eager
+        return None if found is None else (found[0].name, found[1].id)
+
+    with run_worker(app):
+        result = walk.delay(1, 1)
+        assert result.get(timeout=20) == [walk.name, result.id]
+
+
+def test_a_body_in_a_greenlet_of_its_own_holds_nothing(make_app: Any) -> None:
+    """Sixth review: a body running its work in a greenlet of its own (as SQLAlchemy's
+    asyncio layer runs sync code): Celery's stack of tasks is per greenlet, so there no job
+    is found; the hold was 5 s, past the job's hard limit. Its limits unknown, nothing is
+    held."""
+    import greenlet
+
+    from celery_redlock import softlimit
+
+    app = make_app()
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s11:{n}")
+    def job(self: Any, n: int) -> Any:
+        return greenlet.greenlet(lambda: (softlimit.running_job(), self._hold())).switch()
+
+    with run_worker(app):
+        assert job.delay(1).get(timeout=20) == [None, 0.0]

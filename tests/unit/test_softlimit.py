@@ -287,7 +287,7 @@ class _Running:
 @pytest.mark.parametrize(
     ("running", "expected"),
     [
-        (None, HOLD_FOR),
+        (None, 0.0),  # no running job found: its limits are not known
         (_Running(soft=1, hard=10), 4.5),
         (_Running(soft=1), HOLD_FOR),  # no hard limit: nothing kills the process
         (_Running(hard=10), 0.0),  # a revoke's signal: how much of the limit is left is unknown
