@@ -808,7 +808,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # delivery (the soft limit, with nothing left to stop, is logged).
             result, deliver = held_back(
                 lambda: super(SingletonTask, self).retry(*args, **kwargs),
-                ends=(Retry,),
+                # An eager retry's Retry ends nothing: apply() runs the task again, and
+                # the job around it goes on.
+                ends=() if request.is_eager else (Retry,),
                 hold=self._hold,
             )
         finally:

@@ -430,3 +430,41 @@ def test_a_body_in_a_greenlet_of_its_own_holds_nothing(make_app: Any) -> None:
 
     with run_worker(app):
         assert job.delay(1).get(timeout=20) == [None, 0.0]
+
+
+def test_a_real_soft_limit_during_an_eager_retry_reaches_the_job_around_it(
+    env: CeleryEnv, make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seventh review: a job running a SingletonTask step with ``apply()``, the step
+    calling ``retry()``: the soft limit that came during that retry was held and, as
+    ``Retry`` was taken to end the delivery, only logged. An eager ``Retry`` ends nothing
+    (``apply()`` runs the step again), so the job ran on past its soft limit."""
+    app = make_app()
+    notes: list[str] = []
+
+    @app.task(bind=True, base=SingletonTask, lock_key="s12:{n}")
+    def step(self: Any, n: int) -> int:
+        notes.append(f"step attempt {self.request.retries}")
+        if not self.request.retries:
+            self.retry(countdown=0)
+        return n
+
+    @app.task(bind=True, soft_time_limit=1, time_limit=30)
+    def job(self: Any, n: int) -> str:
+        step.apply((n,), throw=True).get()
+        notes.append("went on past its soft limit")
+        return "done"
+
+    rebuild = step.signature_from_request
+
+    def signal_in_retry(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGUSR1)  # held, while retry() builds its message
+        return rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(step, "signature_from_request", signal_in_retry)
+    first = job.delay(1)
+    _run_as_a_prefork_child(job, first.id, env)
+    wait_for(lambda: first.state != "PENDING", timeout=10, message="the run's state")
+    assert notes == ["step attempt 0"]
+    assert first.state == "FAILURE"
+    assert isinstance(first.result, SoftTimeLimitExceeded)
