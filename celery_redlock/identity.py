@@ -79,9 +79,7 @@ def wire_arguments(
             (list(args), dict(kwargs)), serializer=serializer
         )
     except Exception as exc:  # noqa: BLE001 - the publish reports it properly
-        landed = interrupts.wrapped(exc)
-        if landed is not None:
-            raise landed from None  # a soft time limit, not the arguments' failure
+        interrupts.raise_wrapped(exc)  # a soft time limit, not the arguments' failure
         logger.debug(
             "arguments do not survive serializer %s (%s); key from them as given", serializer, exc
         )
@@ -91,9 +89,7 @@ def wire_arguments(
             data, content_type, encoding, force=True
         )
     except Exception as exc:
-        landed = interrupts.wrapped(exc)
-        if landed is not None:
-            raise landed from None  # a soft time limit, not the arguments' failure
+        interrupts.raise_wrapped(exc)  # a soft time limit, not the arguments' failure
         raise UndecodableArguments(
             f"the arguments serialize with {serializer} but do not deserialize ({exc}): "
             "a worker could not decode this message"

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from .lock import interrupts
 from .redact import guard
 
-__all__ = ["HOLD_FOR", "held_back", "hold_for", "running_job", "set_worker_limits"]
+__all__ = ["HOLD_FOR", "held_back", "hold_for", "running_hold", "running_job", "set_worker_limits"]
 
 logger = guard(logging.getLogger("celery_redlock.task"))
 
@@ -175,6 +175,12 @@ def hold_for(task: Any, request: Any = None) -> float:
     if not soft:
         return 0.0
     return max(0.0, (float(hard) - float(soft)) / 2)
+
+
+def running_hold() -> float:
+    """:func:`hold_for` the job this worker process runs (:func:`running_job`)."""
+    found = running_job()
+    return hold_for(None) if found is None else hold_for(*found)
 
 
 def held_back(

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from celery import Task, states
 from celery.app.task import Context
-from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 
 from . import signals
@@ -65,7 +65,7 @@ from .settings import (
     validate_task_options,
     with_call_options,
 )
-from .softlimit import held_back, hold_for, running_job
+from .softlimit import held_back, running_hold
 
 __all__ = ["DEDUPE_SUFFIX", "OPTIONS_HEADER", "LockLostInterrupt", "SingletonTask"]
 
@@ -269,7 +269,7 @@ def _holder(app: Any, key: str, task_id: str) -> HolderState:
         return "other"
     try:
         return redlock_for(app).holder_state(key, "task_id", task_id)
-    except SoftTimeLimitExceeded:
+    except interrupts.ASYNC:
         raise  # the job's time is up: not an answer about the key (see _on_contended)
     except Exception:
         logger.warning("could not read the owner of %s", key, exc_info=True)
@@ -431,9 +431,11 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if _republishing.get():
             release = _before_republish.get()
             standing = release(args or (), kwargs or {}, options) if release is not None else []
+            # (Only retry() and _republish get here, and they hold the soft limit back
+            # around this call: see celery_redlock.softlimit.)
             sent: list[Any] = []
             try:
-                _, deliver = held_back(lambda: sent.append(publish(task_id)), hold=self._hold)
+                sent.append(publish(task_id))
             except BaseException:
                 if sent:
                     raise  # interrupted once it was out: the markers stand for it
@@ -443,8 +445,6 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 for key, opts in standing:
                     self._drop_dedupe_marker(key, opts, task_id, "a failed retry publish")
                 raise
-            if deliver is not None:
-                deliver()  # (held by the caller, retry() or _republish, when they run)
             return sent[0]
         if (
             link
@@ -522,7 +522,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return self.AsyncResult(holder)
         published: list[Any] = []
         try:
-            _, deliver = held_back(lambda: published.append(publish(task_id)), hold=self._hold)
+            _, deliver = held_back(lambda: published.append(publish(task_id)), hold=running_hold)
         except BaseException:
             if published:
                 raise  # interrupted once it was out: the marker stands for the queued job
@@ -684,7 +684,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 # where it was granted: this one may have deleted it on other masters.
                 self._on_unavailable(request, key, opts, exc, args, kwargs, not again)
                 raise  # pragma: no cover
-            except SoftTimeLimitExceeded:
+            except interrupts.ASYNC:
                 # The job fails here, before its body (the acquire undid what it took):
                 # no marker may name it, or identical publishes would return it.
                 self._drop_dedupe_marker(key, opts, task_id, "its soft time limit")
@@ -811,7 +811,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 # An eager retry's Retry ends nothing: apply() runs the task again, and
                 # the job around it goes on.
                 ends=() if request.is_eager else (Retry,),
-                hold=self._hold,
+                hold=running_hold,
             )
         finally:
             _before_republish.reset(hook)
@@ -821,12 +821,6 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         return result
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _hold(self) -> float:
-        """How long a soft limit may be held while this process's running job publishes
-        (see :func:`celery_redlock.softlimit.held_back`)."""
-        found = running_job()
-        return hold_for(*found) if found is not None else hold_for(None)
 
     def _release(self, request: Any, *, wait: bool = True) -> None:
         """Release the run's lease; ``wait=False`` sends it without awaiting replies."""
@@ -916,7 +910,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
             )
             _, deliver = held_back(
-                lambda: sent.append(signature.apply_async(**options)), hold=self._hold
+                lambda: sent.append(signature.apply_async(**options)), hold=running_hold
             )
         except BaseException:
             # Not when the message went out and an exception (a soft time limit's) landed
@@ -949,7 +943,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if not request.is_eager:
             try:
                 holder = _holder(self.app, key, request.id or "")
-            except SoftTimeLimitExceeded:
+            except interrupts.ASYNC:
                 # Its time ran out while the holder was read: it fails as any job does
                 # at its soft time limit, not as a skipped or contended one (before,
                 # the read's failure read as "another holder": with "skip" the job was

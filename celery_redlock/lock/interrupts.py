@@ -21,7 +21,7 @@ handle both kinds alike.
 
 from __future__ import annotations
 
-__all__ = ["ASYNC", "register", "wrapped"]
+__all__ = ["ASYNC", "raise_wrapped", "register", "wrapped"]
 
 #: Raised from outside (a signal's handler), never a failure of the call they land in.
 ASYNC: tuple[type[BaseException], ...] = ()
@@ -50,3 +50,11 @@ def wrapped(exc: BaseException) -> BaseException | None:
         if isinstance(found, ASYNC):
             return found
     return None
+
+
+def raise_wrapped(exc: BaseException) -> None:
+    """Raise the one of :data:`ASYNC` that ``exc`` stands for (:func:`wrapped`), if any:
+    for a best-effort guard that would otherwise take it for the failure it caught."""
+    found = wrapped(exc)
+    if found is not None:
+        raise found from None

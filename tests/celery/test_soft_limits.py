@@ -426,7 +426,9 @@ def test_a_body_in_a_greenlet_of_its_own_holds_nothing(make_app: Any) -> None:
 
     @app.task(bind=True, base=SingletonTask, lock_key="s11:{n}")
     def job(self: Any, n: int) -> Any:
-        return greenlet.greenlet(lambda: (softlimit.running_job(), self._hold())).switch()
+        return greenlet.greenlet(
+            lambda: (softlimit.running_job(), softlimit.running_hold())
+        ).switch()
 
     with run_worker(app):
         assert job.delay(1).get(timeout=20) == [None, 0.0]
